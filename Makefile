@@ -1,0 +1,35 @@
+# `make demo` sets up .venv and runs a local 4-node mesh; `make test` sets up .venv and runs the
+# checks CI runs. Either works first. On a machine with a GPU, pick the torch build you need:
+#   make demo TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test lint bench-transport clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+demo: venv
+	$(BIN)/gossipmesh mesh
+
+test: venv lint
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench-transport: venv
+	$(BIN)/python bench/transport.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

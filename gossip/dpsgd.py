@@ -1,0 +1,151 @@
+"""Synchronous decentralized averaging: D-PSGD (Lian et al., NeurIPS 2017).
+
+After a local step, node i sends its parameters x_i to its neighbours for round r, waits up to
+``round_timeout`` for theirs, and mixes ``x_i <- sum_j W_ij x_j`` over what arrived, with the
+weights renormalised so they still sum to one. With every message on time and a symmetric
+doubly-stochastic W the mean of all models is preserved exactly.
+
+A neighbour that misses a round is not waited for again until one of its messages arrives on
+time, so a dead or far-behind peer costs one timeout, not one per round. A departed member (its
+leave reached the membership view) is not waited for at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import numpy as np
+
+from gossip.network import Envelope, PeerNetwork
+from topologies import MixingRow, mixing_row
+
+KIND = "params"
+_MIX_CHUNK = 1 << 20  # elements mixed per vector op: bounds the scratch memory
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    round: int
+    neighbors: int
+    arrived: int
+    wait_s: float
+
+
+class DPSGD:
+    """Averages ``params`` (a flat numpy view of the model) with the neighbours each round.
+
+    Args:
+        peer: the node's network (``p2p.Peer`` or a simulator).
+        params: the flat parameter buffer, modified in place by :meth:`average`.
+        topology: a name from ``topologies.NAMES``.
+        round_timeout: the longest a round waits for a neighbour, in seconds.
+        lock: held while ``params`` is written, so readers (evaluation) see whole updates.
+        max_rounds_ahead: how far ahead of this node a neighbour's message may be and still
+            be kept for its round.
+    """
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: str,
+        round_timeout: float,
+        lock: AbstractContextManager[object] | None = None,
+        max_rounds_ahead: int = 64,
+    ) -> None:
+        self.peer = peer
+        self.params = params
+        self.topology = topology
+        self.round_timeout = round_timeout
+        self.round = 0
+        self.rejected: Counter[str] = Counter()
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._max_ahead = max_rounds_ahead
+        self._early: defaultdict[int, dict[str, np.ndarray]] = defaultdict(dict)
+        self._not_waited: set[str] = set()
+        self._scratch = np.empty(min(params.size, _MIX_CHUNK), dtype=params.dtype)
+
+    def average(self) -> RoundStats:
+        """One gossip round: send, gather (bounded), mix."""
+        r = self.round
+        row = mixing_row(self.topology, self.peer.members(), self.peer.node_id, r)
+        snapshot = self.params.copy()  # what we send must not change while it is in flight
+        for neighbor in row.neighbors:
+            self.peer.send(neighbor, KIND, r, [snapshot])
+        started = time.monotonic()
+        arrived = self._gather(r, row)
+        wait_s = time.monotonic() - started
+        with self._lock:
+            self._mix(snapshot, row, arrived)
+        self.round += 1
+        return RoundStats(round=r, neighbors=len(row.neighbors), arrived=len(arrived), wait_s=wait_s)
+
+    def _gather(self, r: int, row: MixingRow) -> dict[str, np.ndarray]:
+        got = self._early.pop(r, {})
+        waiting = set(row.neighbors) - got.keys() - self._not_waited
+        deadline = time.monotonic() + self.round_timeout
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            message = self.peer.recv(remaining)
+            if message is None:
+                waiting &= self.peer.members()  # a neighbour that left is not waited for
+            else:
+                self._file(message, r, got)
+                waiting -= got.keys()
+        while (message := self.peer.recv(0)) is not None:  # whatever else is already here
+            self._file(message, r, got)
+        self._not_waited |= waiting
+        return {j: got[j] for j in row.neighbors if j in got}
+
+    def _file(self, message: Envelope, r: int, got: dict[str, np.ndarray]) -> None:
+        """Keep a neighbour's parameters for their round, or count why not."""
+        reason = self._problem(message)
+        if reason is None and message.round < r:
+            reason = "stale"
+        if reason is None and message.round > r + self._max_ahead:
+            reason = "too_far_ahead"
+        if reason is not None:
+            self.rejected[reason] += 1
+            return
+        self._not_waited.discard(message.sender)
+        (got if message.round == r else self._early[message.round])[message.sender] = message.tensors[0]
+
+    def _problem(self, message: Envelope) -> str | None:
+        if message.kind != KIND:
+            return "unexpected_kind"
+        if len(message.tensors) != 1:
+            return "tensor_count"
+        tensor = message.tensors[0]
+        if tensor.dtype != self.params.dtype or tensor.shape != self.params.shape:
+            return "tensor_mismatch"
+        if not all_finite(tensor):
+            return "non_finite"
+        return None
+
+    def _mix(self, own: np.ndarray, row: MixingRow, arrived: Mapping[str, np.ndarray]) -> None:
+        total = row.self_weight + sum(row.neighbors[j] for j in arrived)
+        np.multiply(own, row.self_weight / total, out=self.params)
+        for sender, theirs in arrived.items():
+            _add_scaled(self.params, theirs, row.neighbors[sender] / total, self._scratch)
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """True when no element is NaN or infinite (checked in chunks: no model-sized temporary)."""
+    flat = array.reshape(-1)
+    return all(bool(np.isfinite(flat[i : i + _MIX_CHUNK]).all()) for i in range(0, flat.size, _MIX_CHUNK))
+
+
+def _add_scaled(y: np.ndarray, x: np.ndarray, a: float, scratch: np.ndarray) -> None:
+    """y += a * x, chunk by chunk through ``scratch``."""
+    for i in range(0, y.size, scratch.size):
+        part = scratch[: min(scratch.size, y.size - i)]
+        np.multiply(x[i : i + part.size], a, out=part)
+        y[i : i + part.size] += part

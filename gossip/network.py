@@ -1,0 +1,51 @@
+"""The small interface gossip algorithms use to reach peers.
+
+``p2p.Peer`` implements it over ZeroMQ; an in-memory simulator can implement it too, so an
+algorithm is written once. Nothing here opens a socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Envelope(Protocol):
+    """A received, already wire-validated message."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def sender(self) -> str: ...
+    @property
+    def round(self) -> int: ...
+    @property
+    def tensors(self) -> Sequence[np.ndarray]: ...
+
+
+class PeerNetwork(Protocol):
+    """A node's view of the mesh."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    def members(self) -> frozenset[str]:
+        """Live member ids, this node included."""
+        ...
+
+    def send(
+        self,
+        to: str,
+        kind: str,
+        round: int,
+        tensors: Sequence[np.ndarray] = (),
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Queue a message without blocking; tensors must stay unmodified afterwards."""
+        ...
+
+    def recv(self, timeout: float) -> Envelope | None:
+        """The next message, or None after ``timeout`` s or when the membership changed."""
+        ...

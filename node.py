@@ -1,0 +1,307 @@
+"""The gossipmesh daemon and command line.
+
+``gossipmesh node`` runs one daemon: config -> wiring (peer, task, model, gossip optimizer) ->
+training loop -> graceful stop (leave the mesh, write the report). ``gossipmesh mesh`` runs a
+local test mesh of daemons as separate processes. ``python node.py ...`` is ``gossipmesh ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossip import GossipOptimizer
+from p2p import AddressError, Peer, TransportError
+from p2p.address import split_endpoint
+from p2p.wire import Limits
+from runtime.config import (
+    ConfigError,
+    MeshConfig,
+    NodeConfig,
+    add_arguments,
+    parse_args_into,
+    summary,
+)
+from runtime.console import progress_line
+from runtime.launcher import run_mesh
+from runtime.pacing import StepPacer
+from runtime.recorder import Recorder
+from runtime.report import NodeRecord, TimelinePoint, build_report, json_safe, write_json
+from tasks import Task, batches, load_task
+from topologies import member_order
+
+_LOSS_SMOOTHING = 0.9
+_TEXT_PROGRESS_EVERY_S = 1.0
+
+
+def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
+    """Run one daemon until its steps or duration are spent or ``stop`` is set.
+
+    The report (and the final parameters, if asked) are written whatever happens once the
+    node is listening. Raises TransportError / AddressError for what the user must fix.
+    """
+    origin = config.clock_origin if config.clock_origin is not None else time.time()
+    task = load_task(config.task)
+    model = task.model(config.seed)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    node_id = config.id or _default_id(config.listen)
+    peer = Peer(
+        node_id,
+        config.listen,
+        config.bootstrap,
+        advertise=config.advertise,
+        inbox_kinds={"params"},
+        limits=Limits(max_message_bytes=model_bytes),
+    )
+    peer.start()
+    record = NodeRecord(id=node_id, rank=-1, address=peer.address)
+    started = time.monotonic()
+    try:
+        _say(config, f"{node_id} listening on {peer.address}, waiting for {len(config.bootstrap)} peers")
+        peer.wait_ready(config.startup_timeout, cancelled=stop.is_set)
+        ordered = member_order(peer.members())
+        record.rank = ordered.index(node_id)
+        _emit(config, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
+        if not stop.is_set():
+            Trainer(config, task, model, peer, record, lambda: time.time() - origin).run(stop)
+        record.status = "finished"
+    except Exception as exc:
+        record.status = "failed"
+        record.error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, TransportError | AddressError):
+            raise
+        traceback.print_exc()
+    finally:
+        peer.close()
+        _count_network(record, peer)
+        _save(config, record, model, time.monotonic() - started)
+    return record
+
+
+class Trainer:
+    """The training loop of one node: local steps through the gossip optimizer, paced."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        task: Task,
+        model: torch.nn.Module,
+        peer: Peer,
+        record: NodeRecord,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.model = model
+        self.peer = peer
+        self.record = record
+        self.clock = clock
+        self.train_loss = math.nan
+        self.lock = threading.Lock()
+        self.optimizer = GossipOptimizer(
+            torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum),
+            peer=peer,
+            algorithm=config.algorithm,
+            topology=config.topology,
+            average_every=config.average_every,
+            round_timeout=config.round_timeout,
+            lock=self.lock,
+        )
+        self.recorder = Recorder(
+            evaluate=lambda: task.evaluate(model),
+            progress=self._progress,
+            lock=self.lock,
+            clock=clock,
+            interval=config.eval_interval,
+            on_point=self._show,
+        )
+        self._last_text = -math.inf
+
+    def run(self, stop: threading.Event) -> None:
+        config, record = self.config, self.record
+        members = len(self.peer.members())
+        shard = self.task.shard(record.rank, members, partition=config.partition, seed=config.seed)
+        pacer = StepPacer(config.compute_ms, config.slowdown)
+        budget = config.step_budget
+        deadline = time.monotonic() + config.duration if config.duration else math.inf
+        record.t_first_step = round(self.clock(), 3)
+        self.recorder.start()
+        try:
+            for inputs, targets in batches(shard, config.batch_size, seed=config.seed + record.rank):
+                if stop.is_set() or record.steps == budget or time.monotonic() >= deadline:
+                    break
+                started = time.monotonic()
+                loss = self.task.loss(self.model, inputs, targets)
+                self.optimizer.zero_grad()
+                loss.backward()
+                pacer.finish_step(started)
+                self.optimizer.step()
+                record.steps += 1
+                self._smooth(loss.item())
+        finally:
+            final = self.recorder.stop()
+            record.timeline = self.recorder.timeline
+            record.final = {"loss": final.loss, "accuracy": final.accuracy}
+            record.rounds = self.optimizer.averager.round
+            for reason, count in self.optimizer.averager.rejected.items():
+                record.rejected_by_reason[reason] = record.rejected_by_reason.get(reason, 0) + count
+
+    def _smooth(self, loss: float) -> None:
+        if math.isnan(self.train_loss):
+            self.train_loss = loss
+        else:
+            self.train_loss = _LOSS_SMOOTHING * self.train_loss + (1 - _LOSS_SMOOTHING) * loss
+
+    def _progress(self) -> tuple[int, int, float, int]:
+        stats = self.peer.stats
+        return self.record.steps, self.optimizer.averager.round, self.train_loss, stats.bytes_sent
+
+    def _show(self, point: TimelinePoint) -> None:
+        row = {
+            "id": self.record.id,
+            "rank": self.record.rank,
+            **asdict(point),
+            "bytes_received": self.peer.stats.bytes_received,
+            "peers": len(self.peer.members()) - 1,
+        }
+        if self.config.progress == "json":
+            _emit(self.config, {"event": "point", **row})
+        elif self.config.progress == "text" and point.t - self._last_text >= _TEXT_PROGRESS_EVERY_S:
+            self._last_text = point.t
+            print(f"[{point.t:7.2f}s] {progress_line(row)}", file=sys.stderr, flush=True)
+
+
+def _count_network(record: NodeRecord, peer: Peer) -> None:
+    stats = peer.stats
+    record.bytes_sent = stats.bytes_sent
+    record.bytes_received = stats.bytes_received
+    rejected = Counter(record.rejected_by_reason) + stats.rejected
+    record.rejected_by_reason = dict(rejected)
+    record.messages_rejected = sum(rejected.values())
+    record.dropped_by_reason = dict(stats.dropped)
+
+
+def _save(config: NodeConfig, record: NodeRecord, model: torch.nn.Module, wall_time_s: float) -> None:
+    if config.save_params is not None:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        _save_array(config.save_params, flat)
+    if config.report is not None:
+        report = build_report(
+            wall_time_s=round(wall_time_s, 3),
+            config=summary(config),
+            nodes=[asdict(record)],
+            consensus_distance=0.0,
+        )
+        write_json(config.report, report)
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as stream:
+        np.save(stream, array, allow_pickle=False)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+
+
+def _default_id(listen: str) -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
+    _, port = split_endpoint(listen)
+    return f"{host.strip('-.') or 'node'}-{port or os.getpid()}"
+
+
+def _say(config: NodeConfig, text: str) -> None:
+    if config.progress != "none":
+        print(text, file=sys.stderr, flush=True)
+
+
+def _emit(config: NodeConfig, event: dict[str, Any]) -> None:
+    """A machine-readable progress event on stdout (``--progress json``, read by the mesh)."""
+    if config.progress == "json":
+        print(json.dumps(json_safe(event), allow_nan=False), flush=True)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gossipmesh",
+        description="Decentralized peer-to-peer training: gossip averaging over ZeroMQ.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    node = commands.add_parser(
+        "node",
+        help="run one daemon",
+        description="Run one node daemon. Every option can also come from --config FILE.toml "
+        "or a GOSSIPMESH_<OPTION> environment variable (flags win).",
+    )
+    add_arguments(node, NodeConfig)
+    mesh = commands.add_parser(
+        "mesh",
+        help="run a local test mesh of daemons on 127.0.0.1",
+        description="Start N daemons as separate processes on 127.0.0.1, show a live table, write a report.",
+    )
+    add_arguments(mesh, MeshConfig)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "node":
+            config = parse_args_into(NodeConfig, args, os.environ)
+            return _node_command(config)
+        mesh_config = parse_args_into(MeshConfig, args, os.environ)
+        return run_mesh(mesh_config, node_command=[sys.executable, str(Path(__file__).resolve())])
+    except (ConfigError, AddressError, TransportError) as exc:
+        print(f"gossipmesh: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+
+
+def _node_command(config: NodeConfig) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stop.is_set():  # a second signal: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        print(f"{signal.Signals(signum).name}: finishing the current step", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    record = run_node(config, stop)
+    if record.status == "failed":
+        print(f"gossipmesh: node failed: {record.error}", file=sys.stderr)
+        return 1
+    final = record.final
+    _say(
+        config,
+        f"{record.id} finished: {record.steps} steps, held-out accuracy "
+        f"{final.get('accuracy', math.nan):.3f}, loss {final.get('loss', math.nan):.4f}",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

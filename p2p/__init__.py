@@ -1,0 +1,19 @@
+"""Everything that touches the network: wire format, transport, membership. No torch here."""
+
+from p2p.address import AddressError
+from p2p.peer import Peer
+from p2p.transport import Transport, TransportError, TransportStats
+from p2p.wire import Limits, Message, WireError, decode, encode
+
+__all__ = [
+    "AddressError",
+    "Limits",
+    "Message",
+    "Peer",
+    "Transport",
+    "TransportError",
+    "TransportStats",
+    "WireError",
+    "decode",
+    "encode",
+]

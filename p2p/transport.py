@@ -1,0 +1,345 @@
+"""The transport: one network thread that owns every ZeroMQ socket of a node.
+
+A ROUTER socket receives from all peers; one DEALER per peer address sends. Other threads never
+touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload copy) and hands
+the frames to the network thread, which sends them without blocking (a full or unreachable peer
+drops the message and counts it). Received messages are decoded and validated on the network
+thread; valid ones go to a bounded inbox that :meth:`Transport.recv` reads with a timeout.
+
+Protocol services (membership, later failure detection) run on the network thread too: they
+consume the message kinds they declare and get a periodic tick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import os
+import secrets
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
+from p2p.wire import Limits, Message, WireError, decode, encode
+
+_DRAIN_BATCH = 256
+_HEADER_ALLOWANCE = 1 << 16
+
+
+class TransportError(RuntimeError):
+    """The transport cannot start or run; the message tells the user what to change."""
+
+
+class Service(Protocol):
+    """A protocol that runs on the network thread (e.g. membership)."""
+
+    kinds: frozenset[str]
+
+    def on_message(self, message: Message) -> None:
+        """Handle one message of a kind in ``kinds``."""
+
+    def on_tick(self, now: float) -> float:
+        """Periodic work; returns the monotonic time of the next wanted tick."""
+
+
+@dataclass
+class TransportStats:
+    """Counters kept by the network thread; read them from any thread."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def messages_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+
+class Transport:
+    """Sockets, codec and inbox of one node.
+
+    Args:
+        node_id: this node's id; stamped on every message and used as the DEALER routing id,
+            so a receiver can reject a header that claims another sender.
+        listen: ``tcp://HOST:PORT`` to bind the ROUTER to (port 0 picks a free port).
+        advertise: the address peers dial; default: the bound address, a wildcard host
+            replaced by this host's address.
+        inbox_kinds: message kinds delivered to :meth:`recv`; other kinds not claimed by a
+            service are rejected as ``unknown_kind``.
+        limits: decoder bounds; ``max_message_bytes`` also sets ZMQ_MAXMSGSIZE so an
+            oversized frame is refused by ZeroMQ before it is buffered.
+        send_queue: messages queued per peer before sends to it are dropped (ZMQ_SNDHWM).
+        inbox_size: received messages held for the application before the oldest is dropped.
+        linger_s: how long :meth:`close` lets queued messages drain.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        listen: str,
+        *,
+        advertise: str | None = None,
+        inbox_kinds: Iterable[str],
+        limits: Limits = Limits(),
+        send_queue: int = 64,
+        inbox_size: int = 4096,
+        linger_s: float = 1.0,
+    ) -> None:
+        self.node_id = check_node_id(node_id)
+        self.listen = parse_endpoint(listen)
+        self.limits = limits
+        self.stats = TransportStats()
+        self.address = ""  # advertised endpoint, known after start()
+        self._advertise = parse_endpoint(advertise) if advertise else None
+        self._inbox_kinds = frozenset(inbox_kinds)
+        self._send_queue = send_queue
+        self._linger_ms = int(linger_s * 1000)
+        self._session = secrets.randbits(63)
+        self._seq = itertools.count(1)
+        self._send_order = threading.Lock()
+        self._services: dict[str, Service] = {}
+        self._service_list: list[Service] = []
+        self._inbox: deque[Message] = deque(maxlen=inbox_size)
+        self._inbox_ready = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._context = zmq.Context()
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._last_seq: dict[str, tuple[int, int]] = {}
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._startup_error: TransportError | None = None
+        self._stopping = False
+        self._next_tick = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def add_service(self, service: Service) -> None:
+        """Register a network-thread protocol; call before :meth:`start`."""
+        if self._thread is not None:
+            raise RuntimeError("add services before start()")
+        for kind in service.kinds:
+            self._services[kind] = service
+        self._service_list.append(service)
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Bind and start the network thread; returns the advertised address."""
+        self._thread = threading.Thread(target=self._run, name=f"net-{self.node_id}", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TransportError(f"network thread did not start within {timeout} s")
+        if self._startup_error is not None:
+            self._close_context()
+            raise self._startup_error
+        return self.address
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the network thread; queued messages get ``linger_s`` to leave."""
+        if self._thread is not None and self._thread.is_alive():
+            self._stopping = True
+            self._wake()
+            self._thread.join(timeout)
+        self._close_context()
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def send(
+        self,
+        address: str,
+        kind: str,
+        round: int,
+        tensors: Sequence[np.ndarray] = (),
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Queue a message to the node at ``address``; never blocks.
+
+        Tensors are sent from their own memory: do not modify them afterwards.
+        """
+        with self._send_order:  # seq order == queue order, so receivers see seqs increase
+            frames = encode(
+                kind=kind,
+                sender=self.node_id,
+                round=round,
+                tensors=tensors,
+                meta=meta,
+                session=self._session,
+                seq=next(self._seq),
+            )
+            self.call_soon(lambda: self._send_now(address, frames))
+
+    def recv(self, timeout: float) -> Message | None:
+        """The next inbox message, or None after ``timeout`` s or a :meth:`notify`."""
+        with self._inbox_ready:
+            if not self._inbox:
+                self._inbox_ready.wait(timeout)
+            return self._inbox.popleft() if self._inbox else None
+
+    def notify(self) -> None:
+        """Wake threads blocked in :meth:`recv` (used when membership changes)."""
+        with self._inbox_ready:
+            self._inbox_ready.notify_all()
+
+    def tick_within(self, delay: float) -> None:
+        """Run the services' ticks within ``delay`` s (network thread only)."""
+        self._next_tick = min(self._next_tick, time.monotonic() + delay)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the network thread, after what was queued before it."""
+        if self._context.closed:
+            self.stats.dropped["closed"] += 1
+            return
+        self._commands.append(fn)
+        if threading.current_thread() is not self._thread:
+            self._wake()
+
+    # -- network thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + _HEADER_ALLOWANCE)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        router.setsockopt(zmq.LINGER, 0)
+        try:
+            router.bind(bind_form(self.listen))
+            self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError as exc:
+            router.close()
+            self._startup_error = _bind_error(self.listen, exc)
+            self._started.set()
+            return
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self._started.set()
+        try:
+            while not self._stopping:
+                due_ms = int((self._next_tick - time.monotonic()) * 1000)
+                wait_ms = 0 if self._commands else max(0, due_ms)
+                events = dict(poller.poll(wait_ms))
+                if router in events:
+                    self._drain(router)
+                if self._wake_r in events:
+                    self._drain_wakeups()
+                self._run_commands()
+                now = time.monotonic()
+                if now >= self._next_tick:
+                    self._next_tick = min((s.on_tick(now) for s in self._service_list), default=now + 1.0)
+            self._run_commands()  # last sends (e.g. a leave) before the sockets close
+        finally:
+            router.close(linger=0)
+            for dealer in self._dealers.values():
+                dealer.close(linger=self._linger_ms)
+
+    def _drain(self, router: zmq.Socket[bytes]) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.stats.bytes_received += sum(len(f) for f in frames[1:])
+            self._accept(frames[0].bytes, frames[1:])
+
+    def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
+        try:
+            message = decode(frames, self.limits)
+        except WireError as exc:
+            self.stats.rejected[exc.reason] += 1
+            return
+        if message.sender.encode() != routing_id:
+            self.stats.rejected["sender_mismatch"] += 1
+            return
+        last = self._last_seq.get(message.sender)
+        if last is not None and last[0] == message.session and message.seq <= last[1]:
+            self.stats.rejected["replayed"] += 1
+            return
+        self._last_seq[message.sender] = (message.session, message.seq)
+        self.stats.messages_received += 1
+        service = self._services.get(message.kind)
+        if service is not None:
+            service.on_message(message)
+        elif message.kind in self._inbox_kinds:
+            with self._inbox_ready:
+                if len(self._inbox) == self._inbox.maxlen:
+                    self.stats.dropped["inbox_full"] += 1
+                self._inbox.append(message)
+                self._inbox_ready.notify()
+        else:
+            self.stats.rejected["unknown_kind"] += 1
+
+    def connect(self, address: str) -> None:
+        """Open the connection to ``address`` ahead of the first send (network thread only)."""
+        self._dealer(address)
+
+    def _dealer(self, address: str) -> zmq.Socket[bytes]:
+        dealer = self._dealers.get(address)
+        if dealer is None:
+            dealer = self._dealers[address] = self._open_dealer(address)
+        return dealer
+
+    def _send_now(self, address: str, frames: list[Any]) -> None:
+        dealer = self._dealer(address)
+        try:
+            dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats.dropped["peer_unreachable_or_full"] += 1
+            return
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
+
+    def _open_dealer(self, address: str) -> zmq.Socket[bytes]:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
+        dealer.setsockopt(zmq.SNDHWM, self._send_queue)
+        dealer.setsockopt(zmq.LINGER, self._linger_ms)
+        dealer.connect(address)
+        return dealer
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            self._commands.popleft()()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # pipe full: the thread is awake anyway
+            os.write(self._wake_w, b"\0")
+
+    def _drain_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def _close_context(self) -> None:
+        if self._context.closed:
+            return
+        self._context.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def _nbytes(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def _bind_error(listen: str, exc: zmq.ZMQError) -> TransportError:
+    if exc.errno == errno.EADDRINUSE:
+        return TransportError(
+            f"{listen} is in use; stop the process holding it or pass --listen with port 0 "
+            "(e.g. tcp://127.0.0.1:0) to pick a free one"
+        )
+    return TransportError(
+        f"cannot listen on {listen}: {exc.strerror}; use an address of this host, "
+        "e.g. tcp://127.0.0.1:0 or tcp://0.0.0.0:7000"
+    )

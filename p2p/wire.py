@@ -1,0 +1,236 @@
+"""The wire format: one versioned msgpack header frame, then one raw frame per tensor.
+
+A message on the wire is ``[header, tensor_0, tensor_1, ...]``. The header is a msgpack map::
+
+    {"v": 1, "kind": "params", "sender": "node-3", "session": 81723, "seq": 12, "round": 40,
+     "tensors": [{"dtype": "float32", "shape": [101770], "nbytes": 407080}], "meta": {...}}
+
+Tensor frames are the arrays' own memory (little-endian, C order): :func:`encode` returns
+buffers that alias the arrays and :func:`decode` returns arrays that alias the received frames,
+so the payload is never copied by the codec. Decoding checks every field and limit before any
+array is built and raises :class:`WireError` with a machine-readable ``reason``; nothing from
+the network is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_TENSORS = 64
+MAX_NDIM = 8
+MAX_META_ITEMS = 32
+MAX_NAME_CHARS = 128
+_U64 = 2**64 - 1
+
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+_HEADER_KEYS = frozenset({"v", "kind", "sender", "session", "seq", "round", "tensors", "meta"})
+_TENSOR_KEYS = frozenset({"dtype", "shape", "nbytes"})
+
+#: dtypes a tensor frame may carry; anything else is rejected before an array is built.
+WIRE_DTYPES: Mapping[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "float16", "float32", "float64",
+        "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
+    )
+}  # fmt: skip
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("gossipmesh's wire format needs a little-endian host")
+
+
+class WireError(ValueError):
+    """A received message that breaks the wire format; ``reason`` names the broken rule."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded message. ``tensors`` are read-only arrays that alias the received frames."""
+
+    kind: str
+    sender: str
+    round: int
+    tensors: Sequence[np.ndarray] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    session: int = 0
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a decoder enforces; the transport sets ``max_message_bytes`` from the model size."""
+
+    max_message_bytes: int = 1 << 31
+    max_tensors: int = MAX_TENSORS
+
+
+def encode(
+    *,
+    kind: str,
+    sender: str,
+    round: int,
+    tensors: Sequence[np.ndarray] = (),
+    meta: Mapping[str, Any] | None = None,
+    session: int = 0,
+    seq: int = 0,
+) -> list[Any]:
+    """Frames for one message: the packed header, then each tensor's memory (not a copy).
+
+    Tensors must be C-contiguous with a wire dtype; this is checked here because a silent copy
+    would defeat the zero-copy path. The caller must not modify a tensor until it is sent.
+    """
+    if not _KIND.match(kind):
+        raise ValueError(f"message kind {kind!r} must match {_KIND.pattern}")
+    descriptors = []
+    frames: list[Any] = [b""]
+    for array in tensors:
+        dtype_name = _wire_dtype_name(array.dtype)
+        if not array.flags.c_contiguous:
+            raise ValueError("tensors must be C-contiguous; call np.ascontiguousarray first")
+        descriptors.append({"dtype": dtype_name, "shape": list(array.shape), "nbytes": array.nbytes})
+        frames.append(array.reshape(-1).view(np.uint8).data)
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "kind": kind,
+        "sender": sender,
+        "session": session,
+        "seq": seq,
+        "round": round,
+        "tensors": descriptors,
+    }
+    if meta:
+        header["meta"] = dict(meta)
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
+    """Validate and decode ``[header, *tensor_frames]`` (bytes, memoryviews or zmq.Frames)."""
+    if not frames:
+        raise WireError("frame_count", "empty message")
+    header = _unpack_header(_buffer(frames[0]))
+    descriptors = header["tensors"]
+    payload = frames[1:]
+    if len(descriptors) != len(payload):
+        raise WireError(
+            "frame_count", f"header describes {len(descriptors)} tensors, got {len(payload)} frames"
+        )
+    if len(descriptors) > limits.max_tensors:
+        raise WireError("too_large", f"{len(descriptors)} tensors > limit {limits.max_tensors}")
+    specs = [_tensor_spec(d) for d in descriptors]
+    total = sum(nbytes for _, _, nbytes in specs)
+    if total > limits.max_message_bytes:
+        raise WireError("too_large", f"{total} payload bytes > limit {limits.max_message_bytes}")
+    tensors = []
+    for (dtype, shape, nbytes), frame in zip(specs, payload, strict=True):
+        buffer = _buffer(frame)
+        if buffer.nbytes != nbytes:
+            raise WireError("size_mismatch", f"frame has {buffer.nbytes} bytes, header says {nbytes}")
+        array = np.frombuffer(buffer, dtype=dtype) if nbytes else np.empty(0, dtype=dtype)
+        array = array.reshape(shape)
+        array.flags.writeable = False
+        tensors.append(array)
+    return Message(
+        kind=header["kind"],
+        sender=header["sender"],
+        round=header["round"],
+        tensors=tuple(tensors),
+        meta=header.get("meta", {}),
+        session=header["session"],
+        seq=header["seq"],
+    )
+
+
+def _wire_dtype_name(dtype: np.dtype) -> str:
+    if dtype.name not in WIRE_DTYPES or dtype.byteorder == ">":
+        raise ValueError(f"dtype {dtype} cannot go on the wire; use one of {sorted(WIRE_DTYPES)}")
+    return dtype.name
+
+
+def _buffer(frame: Any) -> memoryview:
+    """The bytes of a frame without copying (zmq.Frame exposes ``.buffer``)."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _unpack_header(raw: memoryview) -> dict[str, Any]:
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise WireError("header_too_large", f"{raw.nbytes} bytes > {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=0,
+            max_array_len=MAX_TENSORS * MAX_NDIM,
+            max_map_len=MAX_META_ITEMS + len(_HEADER_KEYS),
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types for garbage; all mean the same here
+        raise WireError("header_not_msgpack", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("header_schema", f"header is a {type(header).__name__}, not a map")
+    keys = set(header)
+    missing = _HEADER_KEYS - {"meta"} - keys
+    if missing or not keys <= _HEADER_KEYS:
+        raise WireError(
+            "header_schema", f"missing keys {sorted(missing)}, unknown keys {sorted(keys - _HEADER_KEYS)}"
+        )
+    if header["v"] != PROTOCOL_VERSION or type(header["v"]) is not int:
+        raise WireError("version", f"protocol version {header['v']!r}, this node speaks {PROTOCOL_VERSION}")
+    kind, sender = header["kind"], header["sender"]
+    if not isinstance(kind, str) or not _KIND.match(kind):
+        raise WireError("header_schema", f"bad kind {kind!r}")
+    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_NAME_CHARS:
+        raise WireError("header_schema", f"bad sender {sender!r}")
+    for key in ("session", "seq", "round"):
+        if not _is_uint(header[key], _U64):
+            raise WireError("header_schema", f"{key} must be an unsigned 64-bit int, got {header[key]!r}")
+    if not isinstance(header["tensors"], list):
+        raise WireError("header_schema", "tensors must be a list")
+    meta = header.get("meta", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise WireError("header_schema", "meta must be a map with string keys")
+    return header
+
+
+def _tensor_spec(descriptor: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    if not isinstance(descriptor, dict) or set(descriptor) != _TENSOR_KEYS:
+        raise WireError("header_schema", f"tensor descriptor must have keys {sorted(_TENSOR_KEYS)}")
+    dtype = WIRE_DTYPES.get(descriptor["dtype"]) if isinstance(descriptor["dtype"], str) else None
+    if dtype is None:
+        raise WireError("dtype", f"dtype {descriptor['dtype']!r} is not one of {sorted(WIRE_DTYPES)}")
+    shape = descriptor["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d, _U64) for d in shape):
+        raise WireError("shape", f"shape {shape!r} must be a list of at most {MAX_NDIM} sizes")
+    nbytes = descriptor["nbytes"]
+    if not _is_uint(nbytes, _U64):
+        raise WireError("header_schema", f"nbytes {nbytes!r} must be an unsigned int")
+    expected = dtype.itemsize
+    for dim in shape:
+        expected *= dim
+    if expected != nbytes:
+        raise WireError(
+            "size_mismatch", f"shape {shape} of {dtype.name} is {expected} bytes, header says {nbytes}"
+        )
+    return dtype, tuple(shape), nbytes
+
+
+def _is_uint(value: Any, bound: int) -> bool:
+    return type(value) is int and 0 <= value <= bound

@@ -1,0 +1,1 @@
+"""What the daemon is made of besides the algorithms: config, timeline, report, local mesh."""

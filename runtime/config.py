@@ -1,0 +1,301 @@
+"""One config object per command, read from defaults < TOML file < GOSSIPMESH_* env < flags.
+
+Each option is declared once, as a dataclass field with its help text and parser; the command
+line flags, environment variables and file keys are all derived from it, and the object is
+validated once, in ``__post_init__``, with errors that name the flag to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import topologies
+from gossip import ALGORITHMS
+from p2p.address import AddressError, check_node_id, parse_endpoint
+from tasks import TASKS, parse_dirichlet
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "GOSSIPMESH_"
+DEFAULT_STEPS = 600
+
+Config = TypeVar("Config", bound="TrainConfig")
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the option and what to pass instead."""
+
+
+def _option(
+    default: Any,
+    help: str,
+    *,
+    parse: Callable[[str], Any] = str,
+    metavar: str | None = None,
+    repeat: bool = False,
+) -> Any:
+    return field(
+        default=default,
+        metadata={"help": help, "parse": parse, "metavar": metavar, "repeat": repeat},
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What every node of a mesh trains and how it averages (the mesh forwards these)."""
+
+    task: str = _option("digits", f"training task: {', '.join(TASKS)}")
+    partition: str = _option("iid", "data split over nodes: iid or dirichlet:ALPHA (label skew)")
+    topology: str = _option("ring", f"averaging graph: {', '.join(topologies.NAMES)}")
+    algorithm: str = _option("dpsgd", f"averaging algorithm: {', '.join(ALGORITHMS)}")
+    steps: int | None = _option(
+        None, f"local steps to train (default {DEFAULT_STEPS})", parse=int, metavar="N"
+    )
+    duration: float | None = _option(None, "seconds to train, instead of --steps", parse=float, metavar="S")
+    lr: float = _option(0.05, "SGD learning rate", parse=float)
+    momentum: float = _option(0.9, "SGD momentum", parse=float)
+    batch_size: int = _option(32, "examples per local step", parse=int)
+    seed: int = _option(0, "seed for the model, data split and sampling", parse=int)
+    average_every: int = _option(1, "local steps between gossip rounds", parse=int)
+    round_timeout: float = _option(2.0, "longest wait for a neighbour in a round, s", parse=float)
+    compute_ms: float = _option(
+        0.0, "emulated step time: each step lasts at least this long, ms", parse=float
+    )
+    startup_timeout: float = _option(60.0, "longest wait for the bootstrap peers, s", parse=float)
+    eval_interval: float = _option(0.25, "seconds between timeline points", parse=float)
+
+    def __post_init__(self) -> None:
+        _check(self.task in TASKS, "--task", f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
+        _check(
+            self.topology in topologies.NAMES,
+            "--topology",
+            f"unknown topology {self.topology!r}; choose {', '.join(topologies.NAMES)}",
+        )
+        _check(
+            self.algorithm in ALGORITHMS,
+            "--algorithm",
+            f"unknown algorithm {self.algorithm!r}; choose {', '.join(ALGORITHMS)}",
+        )
+        if self.partition != "iid":
+            try:
+                parse_dirichlet(self.partition)
+            except ValueError as exc:
+                raise ConfigError(f"--partition: {exc}") from None
+        _check(self.steps is None or self.duration is None, "--steps", "give --steps or --duration, not both")
+        _check(self.steps is None or self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
+        _check(self.duration is None or self.duration > 0, "--duration", "must be > 0 seconds")
+        for name in ("lr", "round_timeout", "startup_timeout", "eval_interval"):
+            _check(_finite(getattr(self, name)) > 0, _flag(name), f"must be > 0, got {getattr(self, name)}")
+        _check(0 <= _finite(self.momentum) < 1, "--momentum", f"must be in [0, 1), got {self.momentum}")
+        _check(_finite(self.compute_ms) >= 0, "--compute-ms", f"must be >= 0, got {self.compute_ms}")
+        _check(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
+        _check(self.average_every >= 1, "--average-every", f"must be >= 1, got {self.average_every}")
+
+    @property
+    def step_budget(self) -> int | None:
+        """Steps to run, or None when the run is bounded by --duration."""
+        if self.duration is not None:
+            return None
+        return self.steps if self.steps is not None else DEFAULT_STEPS
+
+
+@dataclass(frozen=True)
+class NodeConfig(TrainConfig):
+    """One daemon."""
+
+    listen: str = _option(
+        "tcp://0.0.0.0:7000", "address to listen on (port 0: any free port)", metavar="tcp://HOST:PORT"
+    )
+    advertise: str | None = _option(
+        None, "address peers dial (default: the listen address)", metavar="tcp://HOST:PORT"
+    )
+    bootstrap: tuple[str, ...] = _option(
+        (),
+        "address of another node (repeat the flag, or comma-separate)",
+        repeat=True,
+        metavar="tcp://HOST:PORT",
+    )
+    id: str | None = _option(None, "node id (default: HOSTNAME-PORT)")
+    report: Path | None = _option(None, "write the run report (JSON) here", parse=Path)
+    save_params: Path | None = _option(None, "write the final flat parameters (.npy) here", parse=Path)
+    slowdown: float = _option(1.0, "make every step this many times longer", parse=float)
+    progress: str = _option("text", "progress output: text (stderr), json (stdout lines), none")
+    clock_origin: float | None = _option(
+        None, "wall-clock time (epoch s) the report's t counts from (set by the mesh)", parse=float
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("listen", "advertise", *(["bootstrap"] * bool(self.bootstrap))):
+            values = getattr(self, name)
+            for value in values if isinstance(values, tuple) else [values]:
+                if value is not None:
+                    try:
+                        parse_endpoint(value)
+                    except AddressError as exc:
+                        raise ConfigError(f"{_flag(name)}: {exc}") from None
+        if self.id is not None:
+            try:
+                check_node_id(self.id)
+            except AddressError as exc:
+                raise ConfigError(f"--id: {exc}") from None
+        _check(_finite(self.slowdown) >= 1, "--slowdown", f"must be >= 1, got {self.slowdown}")
+        _check(self.progress in ("text", "json", "none"), "--progress", "choose text, json or none")
+
+
+@dataclass(frozen=True)
+class MeshConfig(TrainConfig):
+    """A local test mesh: N daemons as separate processes on 127.0.0.1."""
+
+    nodes: int = _option(4, "number of node processes", parse=int, metavar="N")
+    slowdown: tuple[str, ...] = _option(
+        (),
+        "RANK:FACTOR, make node RANK's steps FACTOR times longer (repeatable)",
+        repeat=True,
+        metavar="RANK:FACTOR",
+    )
+    report: Path | None = _option(None, "report path (default: RUN_DIR/report.json)", parse=Path)
+    run_dir: Path | None = _option(
+        None, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)", parse=Path
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(1 <= self.nodes <= 256, "--nodes", f"must be in 1..256, got {self.nodes}")
+        self.slowdown_by_rank()  # validates
+
+    def slowdown_by_rank(self) -> dict[int, float]:
+        factors: dict[int, float] = {}
+        for text in self.slowdown:
+            rank, _, factor = text.partition(":")
+            try:
+                factors[int(rank)] = float(factor)
+            except ValueError:
+                raise ConfigError(f"--slowdown {text!r}: expected RANK:FACTOR, e.g. 3:4") from None
+            _check(0 <= int(rank) < self.nodes, "--slowdown", f"rank {rank} is not in 0..{self.nodes - 1}")
+            _check(_finite(float(factor)) >= 1, "--slowdown", f"factor must be >= 1, got {factor}")
+        return factors
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[TrainConfig]) -> None:
+    """Flags for every option of ``cls`` (only the ones given end up in the namespace)."""
+    parser.add_argument("--config", type=Path, metavar="FILE.toml", help="read options from a TOML file")
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = "" if f.default in (None, ()) else f" (default: {f.default})"
+        parser.add_argument(
+            _flag(f.name),
+            dest=f.name,
+            action="append" if meta["repeat"] else "store",
+            metavar=meta["metavar"] or f.name.upper(),
+            help=meta["help"] + default,
+            default=argparse.SUPPRESS,
+        )
+
+
+def load(
+    cls: type[Config],
+    flags: Mapping[str, Any],
+    env: Mapping[str, str],
+    config_file: Path | None = None,
+) -> Config:
+    """Merge defaults < ``config_file`` < ``env`` < ``flags`` into a validated ``cls``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        for key, value in _read_toml(config_file).items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"{config_file}: unknown option {key!r}; known: {', '.join(fields)}")
+            values[name] = _coerce(fields[name], value, f"{config_file}: {key}")
+    for name, f in fields.items():
+        if (raw := env.get(ENV_PREFIX + name.upper())) is not None:
+            values[name] = _coerce(f, raw, ENV_PREFIX + name.upper())
+    for name, raw in flags.items():
+        if name in fields:
+            values[name] = _coerce(fields[name], raw, _flag(name))
+    return cls(**values)
+
+
+def as_flags(config: TrainConfig) -> list[str]:
+    """The shared training options of ``config`` as node flags (what a mesh forwards)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        if value is not None:
+            argv += [_flag(f.name), str(value)]
+    return argv
+
+
+def summary(config: TrainConfig) -> dict[str, Any]:
+    """The config as JSON-ready values (for the run report)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def parse_args_into(cls: type[Config], args: argparse.Namespace, env: Mapping[str, str]) -> Config:
+    """The validated config of a parsed command line."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    return load(cls, flags, env, getattr(args, "config", None))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as stream:
+            return tomllib.load(stream)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+_TYPE_NAMES: dict[Callable[[str], Any], str] = {
+    int: "whole number",
+    float: "number",
+    str: "text",
+    Path: "path",
+}
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
+    """A raw value (flag or env string, TOML value, repeated flag list) as the field's type."""
+    parse = f.metadata["parse"]
+    if f.metadata["repeat"]:
+        items = value if isinstance(value, list | tuple) else [value]
+        return tuple(part.strip() for item in items for part in str(item).split(",") if part.strip())
+    if isinstance(value, str):
+        try:
+            return parse(value)
+        except ValueError:
+            raise ConfigError(f"{source}: {value!r} is not a {_TYPE_NAMES[parse]}") from None
+    if not isinstance(value, bool) and (
+        (parse is float and isinstance(value, int | float)) or (parse is int and isinstance(value, int))
+    ):
+        return parse(value)
+    raise ConfigError(f"{source}: expected a {_TYPE_NAMES[parse]}, got {value!r}")
+
+
+def _check(ok: bool, flag: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag}: {problem}")
+
+
+def _finite(value: float) -> float:
+    """``value``, or NaN (which fails every range check) when it is infinite."""
+    return value if math.isfinite(value) else math.nan

@@ -1,0 +1,94 @@
+"""The run report: one JSON schema for a single node and for a whole mesh.
+
+``{"wall_time_s", "config", "nodes": [NodeRecord...], "consensus_distance"}``; tools and
+benchmarks read it, so fields are only ever added. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("finished", "killed", "failed")
+
+
+@dataclass
+class TimelinePoint:
+    t: float  # seconds since the mesh (or lone node) started
+    step: int
+    loss: float  # held-out loss of the node's current model
+    accuracy: float  # held-out accuracy of the node's current model
+    train_loss: float  # moving average of the minibatch loss
+    bytes_sent: int
+    round: int
+
+
+@dataclass
+class NodeRecord:
+    id: str
+    rank: int
+    address: str
+    status: str = "failed"
+    t_first_step: float | None = None
+    steps: int = 0
+    rounds: int = 0
+    final: dict[str, float] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    error: str | None = None
+
+
+def build_report(
+    *,
+    wall_time_s: float,
+    config: dict[str, Any],
+    nodes: list[dict[str, Any]],
+    consensus_distance: float | None,
+) -> dict[str, Any]:
+    return {
+        "wall_time_s": wall_time_s,
+        "config": config,
+        "nodes": nodes,
+        "consensus_distance": consensus_distance,
+    }
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` so that ``path`` is always either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as stream:
+            json.dump(json_safe(payload), stream, indent=1, allow_nan=False)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities (a diverged loss) as null: strict JSON rejects them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with path.open() as stream:
+        report: dict[str, Any] = json.load(stream)
+    return report

@@ -1,0 +1,97 @@
+"""Shared test helpers: local meshes of real peers (threads in this process, or processes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+from gossip import DPSGD
+from p2p import Peer
+from runtime.launcher import free_ports
+
+
+def addresses(count: int) -> list[str]:
+    return [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+
+
+@contextmanager
+def started_peers(
+    ids: list[str], extra_bootstrap: Sequence[str] = (), ready: bool = True
+) -> Iterator[list[Peer]]:
+    """Real peers on 127.0.0.1, each bootstrapping from all the others."""
+    listen = addresses(len(ids))
+    peers = [
+        Peer(node_id, address, [*listen, *extra_bootstrap], inbox_kinds={"params"})
+        for node_id, address in zip(ids, listen, strict=True)
+    ]
+    try:
+        for peer in peers:
+            peer.start()
+        if ready:
+            for peer in peers:
+                peer.wait_ready(20)
+        yield peers
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def average_in_threads(
+    peers: list[Peer], vectors: list[np.ndarray], *, topology: str, rounds: int, timeout: float = 5.0
+) -> list[list[float]]:
+    """Run ``rounds`` of pure D-PSGD averaging on every peer at once; returns round durations."""
+    durations: list[list[float]] = [[] for _ in peers]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            averager = DPSGD(peers[i], vectors[i], topology=topology, round_timeout=timeout)
+            for _ in range(rounds):
+                started = time.monotonic()
+                averager.average()
+                durations[i].append(time.monotonic() - started)
+        except BaseException as exc:  # surfaced in the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(peers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return durations
+
+
+def idle_peer(node_id: str, listen: str, bootstrap: list[str]) -> None:
+    """A peer that joins and then only answers membership (run in a child process)."""
+    peer = Peer(node_id, listen, bootstrap, inbox_kinds={"params"})
+    peer.start()
+    while True:
+        time.sleep(1)
+
+
+def echo_peer(node_id: str, listen: str) -> None:
+    """Answers every tensor with the same tensor doubled (run in a child process)."""
+    from p2p import Transport
+
+    transport = Transport(node_id, listen, inbox_kinds={"params"})
+    transport.start()
+    while True:
+        message = transport.recv(1.0)
+        if message is not None:
+            reply_to = str(message.meta["reply_to"])
+            transport.send(reply_to, "params", message.round, [message.tensors[0] * 2])
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

@@ -1,0 +1,98 @@
+"""End to end: real daemons as separate processes, through the command line users run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from node import main
+from runtime.pacing import StepPacer
+
+NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
+NODE_FIELDS = {
+    "id", "rank", "t_first_step", "status", "steps", "final", "bytes_sent", "bytes_received",
+    "messages_rejected", "timeline",
+}  # fmt: skip
+
+
+@pytest.mark.mesh
+def test_default_mesh_trains_every_node_to_target(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, NODE_PY, "mesh", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4/4 nodes finished" in result.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report) >= {"wall_time_s", "config", "nodes", "consensus_distance"}
+    assert report["config"]["nodes"] == 4 and report["config"]["topology"] == "ring"
+    nodes = report["nodes"]
+    assert [n["rank"] for n in nodes] == [0, 1, 2, 3]
+    assert len({n["id"] for n in nodes}) == 4
+    for node in nodes:
+        assert set(node) >= NODE_FIELDS
+        assert node["status"] == "finished" and node["steps"] == 600
+        assert node["final"]["accuracy"] >= 0.93, node["final"]
+        assert node["bytes_sent"] > 600 * 2 * 4 * 8970  # a model to each of 2 ring neighbours per step
+        assert node["messages_rejected"] == 0, node["rejected_by_reason"]
+        timeline = node["timeline"]
+        times = np.array([p["t"] for p in timeline])
+        assert 0 < node["t_first_step"] <= times[0] < report["wall_time_s"]
+        assert np.median(np.diff(times)) <= 0.3 and np.diff(times).max() < 1.5
+        assert [p["step"] for p in timeline] == sorted(p["step"] for p in timeline)
+        assert timeline[-1]["accuracy"] == node["final"]["accuracy"]
+    assert report["consensus_distance"] < 0.02
+    # the nodes trained on different shards but agree: their accuracies are within 2 points
+    accuracies = [n["final"]["accuracy"] for n in nodes]
+    assert max(accuracies) - min(accuracies) <= 0.02
+
+
+@pytest.mark.mesh
+def test_node_stops_gracefully_on_sigterm_and_writes_its_report(tmp_path: Path) -> None:
+    report = tmp_path / "node.json"
+    process = subprocess.Popen(
+        [sys.executable, NODE_PY, "node", "--listen", "tcp://127.0.0.1:0", "--duration", "120",
+         "--compute-ms", "5", "--report", str(report), "--progress", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    for line in process.stdout:  # wait until it trains
+        if json.loads(line).get("step", 0) > 5:
+            break
+    process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert process.wait(timeout=15) == 0, process.stderr.read() if process.stderr else ""
+    assert time.monotonic() - started < 10
+    written = json.loads(report.read_text())
+    (node,) = written["nodes"]
+    assert node["status"] == "finished" and node["steps"] > 5 and node["rank"] == 0
+    assert written["consensus_distance"] == 0.0
+
+
+def test_cli_errors_are_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["node", "--topology", "donut"]) == 2
+    assert capsys.readouterr().err.startswith("gossipmesh: error: --topology: unknown topology 'donut'")
+    assert main(["mesh", "--nodes", "0"]) == 2
+    assert "--nodes: must be in 1..256, got 0" in capsys.readouterr().err
+
+
+def test_pacer_stretches_steps() -> None:
+    pacer = StepPacer(compute_ms=20, slowdown=4)
+    started = time.monotonic()
+    pacer.finish_step(started)
+    assert time.monotonic() - started >= 0.08
+    unpaced = StepPacer()
+    started = time.monotonic()
+    unpaced.finish_step(started)
+    assert time.monotonic() - started < 0.05

@@ -1,0 +1,163 @@
+"""The transport between real processes, and what a dead or hostile peer can and cannot do."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from helpers import addresses, average_in_threads, echo_peer, idle_peer, started_peers, wait_until
+
+from gossip import DPSGD
+from p2p import Peer, Transport, TransportError
+from p2p.address import AddressError, parse_endpoint
+from p2p.wire import encode
+
+
+def test_two_processes_exchange_a_tensor(spawn) -> None:  # type: ignore[no-untyped-def]
+    mine, theirs = addresses(2)
+    child = spawn.Process(target=echo_peer, args=("echo", theirs), daemon=True)
+    child.start()
+    transport = Transport("asker", mine, inbox_kinds={"params"})
+    transport.start()
+    try:
+        vector = np.random.default_rng(1).standard_normal(250_000).astype(np.float32)
+        reply = None
+        deadline = time.monotonic() + 30  # the child needs a moment to import and bind
+        while reply is None and time.monotonic() < deadline:
+            transport.send(theirs, "params", 5, [vector], meta={"reply_to": mine})
+            reply = transport.recv(0.5)
+        assert reply is not None, "no reply from the echo process"
+        assert (reply.sender, reply.round) == ("echo", 5)
+        np.testing.assert_array_equal(reply.tensors[0], vector * 2)
+        assert transport.stats.bytes_received >= vector.nbytes
+        assert transport.stats.bytes_sent >= vector.nbytes
+    finally:
+        transport.close()
+
+
+def test_a_killed_neighbour_costs_one_timeout_then_none(spawn) -> None:  # type: ignore[no-untyped-def]
+    dead_address = addresses(1)[0]
+    with started_peers(["a", "b"], extra_bootstrap=[dead_address], ready=False) as peers:
+        child = spawn.Process(target=idle_peer, args=("c", dead_address, [p.address for p in peers]))
+        child.start()
+        for peer in peers:
+            peer.wait_ready(30)
+        assert peers[0].members() == {"a", "b", "c"}
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        vectors = [np.full(4, 1.0), np.full(4, 3.0)]
+        durations = average_in_threads(peers, vectors, topology="complete", rounds=5, timeout=0.5)
+    for per_node in durations:
+        assert 0.45 <= per_node[0] < 1.5, per_node  # waited for c once, bounded by the timeout
+        assert max(per_node[1:]) < 0.3, per_node  # and never again
+    # a and b still averaged with each other every round: both hold the mean of their values
+    np.testing.assert_allclose(vectors[0], vectors[1])
+
+
+def test_a_leaving_neighbour_is_not_waited_for() -> None:
+    with started_peers(["a", "b", "c"]) as peers:
+        peers[2].close()
+        assert wait_until(lambda: peers[0].members() == {"a", "b"}, 2.0)
+        vectors = [np.full(3, 1.0), np.full(3, 5.0)]
+        durations = average_in_threads(peers[:2], vectors, topology="ring", rounds=3, timeout=2.0)
+    assert max(max(d) for d in durations) < 0.5
+    np.testing.assert_allclose(vectors[0], [3.0] * 3)
+
+
+def test_sends_to_an_unreachable_address_return_at_once_and_are_counted() -> None:
+    transport = Transport("lonely", "tcp://127.0.0.1:0", inbox_kinds={"params"})
+    transport.start()
+    try:
+        nowhere = addresses(1)[0]
+        started = time.monotonic()
+        for r in range(100):
+            transport.send(nowhere, "params", r, [np.zeros(1000, np.float32)])
+        assert time.monotonic() - started < 1.0
+        assert wait_until(lambda: transport.stats.dropped["peer_unreachable_or_full"] == 100, 2.0)
+        assert transport.stats.bytes_sent == 0
+    finally:
+        transport.close()
+
+
+def test_bad_messages_are_counted_per_reason_and_never_delivered() -> None:
+    receiver = Transport("rx", "tcp://127.0.0.1:0", inbox_kinds={"params"})
+    receiver.start()
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, b"intruder")
+    raw.connect(receiver.address)
+    try:
+        raw.send_multipart([b"\xc1garbage"])
+        raw.send_multipart(encode(kind="params", sender="someone-else", round=0))
+        raw.send_multipart(encode(kind="nonsense", sender="intruder", round=0, seq=5))
+        raw.send_multipart(encode(kind="params", sender="intruder", round=0, seq=7))
+        raw.send_multipart(encode(kind="params", sender="intruder", round=1, seq=7))  # replayed seq
+        header = msgpack.packb({"v": 1})
+        raw.send_multipart([header])
+        assert wait_until(lambda: receiver.stats.messages_rejected == 5, 5.0), receiver.stats
+        assert receiver.stats.rejected == {
+            "header_not_msgpack": 1,
+            "sender_mismatch": 1,
+            "unknown_kind": 1,
+            "replayed": 1,
+            "header_schema": 1,
+        }
+        delivered = receiver.recv(1.0)
+        assert delivered is not None and delivered.seq == 7 and delivered.round == 0
+        assert receiver.recv(0.2) is None
+    finally:
+        raw.close(0)
+        context.term()
+        receiver.close()
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        transport = Transport("x", f"tcp://127.0.0.1:{port}", inbox_kinds=())
+        with pytest.raises(TransportError, match=rf"tcp://127.0.0.1:{port} is in use; .* port 0"):
+            transport.start()
+
+
+def test_unusable_listen_address_is_a_clear_error() -> None:
+    transport = Transport("x", "tcp://192.0.2.1:7000", inbox_kinds=())
+    with pytest.raises(TransportError, match=re.escape("cannot listen on tcp://192.0.2.1:7000")):
+        transport.start()
+
+
+@pytest.mark.parametrize("text", ["localhost", "tcp://h:99999", "udp://h:1", "h:port", ""])
+def test_bad_addresses_are_refused(text: str) -> None:
+    with pytest.raises(AddressError, match="expected tcp://HOST:PORT"):
+        parse_endpoint(text)
+
+
+def test_no_answer_from_bootstrap_names_the_missing_peer() -> None:
+    silent = addresses(1)[0]
+    peer = Peer("alone", "tcp://127.0.0.1:0", [silent], inbox_kinds={"params"})
+    peer.start()
+    try:
+        with pytest.raises(TransportError, match=f"no answer within 0.5 s from {silent}"):
+            peer.wait_ready(0.5)
+    finally:
+        peer.close()
+
+
+def test_mismatched_tensors_are_rejected_by_the_algorithm() -> None:
+    with started_peers(["a", "b"]) as (a, b):
+        a.send("b", "params", 0, [np.zeros(3, np.float32)])  # wrong dtype for b's float64 model
+        a.send("b", "params", 0, [np.full(4, np.nan)])  # non-finite
+        a.send("b", "params", 0, [np.zeros(5)])  # wrong shape
+        averager = DPSGD(b, np.ones(4), topology="ring", round_timeout=0.5)
+        stats = averager.average()
+    assert stats.arrived == 0
+    assert averager.rejected == {"tensor_mismatch": 2, "non_finite": 1}
+    np.testing.assert_array_equal(averager.params, np.ones(4))
