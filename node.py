@@ -303,5 +303,17 @@ def _node_command(config: NodeConfig) -> int:
     return 0
 
 
+def cli() -> None:
+    """The console entry point: ``main``, then exit without tearing down the interpreter.
+
+    Everything the run owns (report, sockets) is closed by then; skipping the interpreter's
+    teardown of torch saves ~2 s per process, which adds up in a mesh on few cores.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -28,7 +28,7 @@ class Peer:
         bootstrap: Iterable[str] = (),
         *,
         advertise: str | None = None,
-        inbox_kinds: Iterable[str],
+        inbox_kinds: Iterable[str] | None = None,
         limits: Limits = Limits(),
         linger_s: float = 1.0,
     ) -> None:

@@ -76,7 +76,7 @@ class Transport:
         advertise: the address peers dial; default: the bound address, a wildcard host
             replaced by this host's address.
         inbox_kinds: message kinds delivered to :meth:`recv`; other kinds not claimed by a
-            service are rejected as ``unknown_kind``.
+            service are rejected as ``unknown_kind``. None delivers every unclaimed kind.
         limits: decoder bounds; ``max_message_bytes`` also sets ZMQ_MAXMSGSIZE so an
             oversized frame is refused by ZeroMQ before it is buffered.
         send_queue: messages queued per peer before sends to it are dropped (ZMQ_SNDHWM).
@@ -90,7 +90,7 @@ class Transport:
         listen: str,
         *,
         advertise: str | None = None,
-        inbox_kinds: Iterable[str],
+        inbox_kinds: Iterable[str] | None = None,
         limits: Limits = Limits(),
         send_queue: int = 64,
         inbox_size: int = 4096,
@@ -102,7 +102,7 @@ class Transport:
         self.stats = TransportStats()
         self.address = ""  # advertised endpoint, known after start()
         self._advertise = parse_endpoint(advertise) if advertise else None
-        self._inbox_kinds = frozenset(inbox_kinds)
+        self._inbox_kinds = None if inbox_kinds is None else frozenset(inbox_kinds)
         self._send_queue = send_queue
         self._linger_ms = int(linger_s * 1000)
         self._session = secrets.randbits(63)
@@ -270,7 +270,7 @@ class Transport:
         service = self._services.get(message.kind)
         if service is not None:
             service.on_message(message)
-        elif message.kind in self._inbox_kinds:
+        elif self._inbox_kinds is None or message.kind in self._inbox_kinds:
             with self._inbox_ready:
                 if len(self._inbox) == self._inbox.maxlen:
                     self.stats.dropped["inbox_full"] += 1

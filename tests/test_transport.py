@@ -36,10 +36,18 @@ def test_two_processes_exchange_a_tensor(spawn) -> None:  # type: ignore[no-unty
         assert reply is not None, "no reply from the echo process"
         assert (reply.sender, reply.round) == ("echo", 5)
         np.testing.assert_array_equal(reply.tensors[0], vector * 2)
+        assert isinstance(_memory_owner(reply.tensors[0]), zmq.Frame)  # no copy out of ZeroMQ
         assert transport.stats.bytes_received >= vector.nbytes
         assert transport.stats.bytes_sent >= vector.nbytes
     finally:
         transport.close()
+
+
+def _memory_owner(array: np.ndarray) -> object:
+    base: object = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
 
 
 def test_a_killed_neighbour_costs_one_timeout_then_none(spawn) -> None:  # type: ignore[no-untyped-def]
