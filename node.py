@@ -58,6 +58,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     node is listening. Raises TransportError / AddressError for what the user must fix.
     """
     origin = config.clock_origin if config.clock_origin is not None else time.time()
+    if config.threads:
+        torch.set_num_threads(config.threads)
     task = load_task(config.task)
     model = task.model(config.seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -272,10 +274,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)
         mesh_config = parse_args_into(MeshConfig, args, os.environ)
-        return run_mesh(mesh_config, node_command=[sys.executable, str(Path(__file__).resolve())])
+        _preload_for_nodes()
+        return run_mesh(mesh_config, node_main=main)
     except (ConfigError, AddressError, TransportError) as exc:
         print(f"gossipmesh: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+
+
+def _preload_for_nodes() -> None:
+    """Import once, before the mesh forks its nodes, what each would import: building the first
+    torch optimizer pulls in torch._dynamo, seconds of CPU per process."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 def _node_command(config: NodeConfig) -> int:

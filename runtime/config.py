@@ -133,6 +133,7 @@ class NodeConfig(TrainConfig):
     report: Path | None = _option(None, "write the run report (JSON) here", parse=Path)
     save_params: Path | None = _option(None, "write the final flat parameters (.npy) here", parse=Path)
     slowdown: float = _option(1.0, "make every step this many times longer", parse=float)
+    threads: int = _option(0, "torch compute threads (0: torch's default)", parse=int, metavar="N")
     progress: str = _option("text", "progress output: text (stderr), json (stdout lines), none")
     clock_origin: float | None = _option(
         None, "wall-clock time (epoch s) the report's t counts from (set by the mesh)", parse=float
@@ -154,6 +155,7 @@ class NodeConfig(TrainConfig):
             except AddressError as exc:
                 raise ConfigError(f"--id: {exc}") from None
         _check(_finite(self.slowdown) >= 1, "--slowdown", f"must be >= 1, got {self.slowdown}")
+        _check(self.threads >= 0, "--threads", f"must be >= 0, got {self.threads}")
         _check(self.progress in ("text", "json", "none"), "--progress", "choose text, json or none")
 
 

@@ -1,9 +1,14 @@
 """The local test mesh: N daemons as separate OS processes on 127.0.0.1.
 
-Each node is a real ``gossipmesh node`` process with free ports picked for it, every other
-node as its bootstrap list, one thread per process and a shared report clock. The launcher
-reads the nodes' JSON progress lines into a live table, stops them all on Ctrl-C / SIGTERM,
-and merges their reports into one (adding the consensus distance of the final models).
+Each node runs the daemon's own entry point (``gossipmesh node ...``) with free ports picked for
+it, every other node as its bootstrap list, one compute thread and a shared report clock. The
+launcher reads the nodes' JSON progress lines into a live table, stops them all on Ctrl-C or
+SIGTERM, and merges their reports into one (adding the consensus distance of the final models).
+
+Nodes are forked from the launcher after it has imported what every node needs, as PyTorch's
+DataLoader forks its workers: on a machine with few cores, N fresh interpreters each importing
+torch would take longer than the training. Each node gets its own session, so a Ctrl-C in the
+terminal reaches only the launcher, which then stops the nodes gracefully.
 """
 
 from __future__ import annotations
@@ -12,11 +17,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +38,8 @@ STOP_GRACE_S = 10.0
 _REFRESH_S = 0.25
 _LOG_TAIL_LINES = 15
 
+NodeMain = Callable[[Sequence[str]], int]
+
 
 class NodeProcess:
     """One daemon of the mesh: its process, files and latest progress."""
@@ -45,32 +52,50 @@ class NodeProcess:
         self.report = run_dir / f"{self.id}.json"
         self.params = run_dir / f"{self.id}.npy"
         self.row: dict[str, Any] = {"id": self.id, "rank": rank, "status": "starting"}
-        self.process: subprocess.Popen[str] | None = None
+        self.exit_code: int | None = None
+        self._pid = 0
+        self._progress_fd = -1
 
-    def start(self, argv: list[str], env: dict[str, str], log: TextIO) -> None:
-        self.process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env, bufsize=1
-        )
+    def start(self, node_main: NodeMain, argv: list[str]) -> None:
+        """Fork and run ``node_main(argv)`` with stdout to a pipe and stderr to the log."""
+        read_fd, write_fd = os.pipe()
+        log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        pid = os.fork()
+        if pid == 0:  # the node
+            os.close(read_fd)
+            _run_forked(node_main, argv, stdout_fd=write_fd, stderr_fd=log_fd)
+        os.close(write_fd)
+        os.close(log_fd)
+        self._pid, self._progress_fd = pid, read_fd
+
+    def watch(self) -> None:
+        """Follow the node's progress lines (start after every node is forked)."""
         threading.Thread(target=self._read_progress, name=f"read-{self.id}", daemon=True).start()
 
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self._pid, signum)
+
     def _read_progress(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if event.get("event") == "point":
-                self.row.update(event, status="training")
-            elif event.get("event") == "ready":
-                self.row.update(status="ready")
+        with os.fdopen(self._progress_fd) as lines:
+            for line in lines:
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if event.get("event") == "point":
+                    self.row.update(event, status="training")
+                elif event.get("event") == "ready":
+                    self.row.update(status="ready")
 
     def poll(self) -> int | None:
-        assert self.process is not None
-        code = self.process.poll()
-        if code is not None and self.row["status"] in ("starting", "ready", "training"):
-            self.row["status"] = "finished" if code == 0 else f"failed ({code})"
-        return code
+        if self.exit_code is None:
+            pid, status = os.waitpid(self._pid, os.WNOHANG)
+            if pid:
+                self.exit_code = os.waitstatus_to_exitcode(status)
+                if self.row["status"] in ("starting", "ready", "training"):
+                    self.row["status"] = "finished" if self.exit_code == 0 else f"failed ({self.exit_code})"
+        return self.exit_code
 
     def result(self) -> dict[str, Any]:
         """This node's entry of the mesh report (a failed one if it left no report)."""
@@ -86,8 +111,11 @@ class NodeProcess:
         return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
 
 
-def run_mesh(config: MeshConfig, node_command: Sequence[str], stream: TextIO = sys.stdout) -> int:
-    """Run the mesh to the end; returns 0 when every node finished."""
+def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO = sys.stdout) -> int:
+    """Run the mesh to the end; returns 0 when every node finished.
+
+    ``node_main`` is the daemon's command-line entry point, called in each forked node.
+    """
     run_dir = config.run_dir or Path("runs") / time.strftime("mesh-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path = config.report or run_dir / "report.json"
@@ -102,10 +130,11 @@ def run_mesh(config: MeshConfig, node_command: Sequence[str], stream: TextIO = s
         flush=True,
     )
     stop = threading.Event()
-    with ExitStack() as files, _forward_termination(stop):
+    stream.flush()  # a buffered line would be written again by every forked node
+    with _forward_termination(stop):
         for node in nodes:
             argv = [
-                *node_command, "node",
+                "node",
                 "--id", node.id,
                 "--listen", node.address,
                 "--bootstrap", ",".join(a for a in addresses if a != node.address),
@@ -114,9 +143,12 @@ def run_mesh(config: MeshConfig, node_command: Sequence[str], stream: TextIO = s
                 "--progress", "json",
                 "--clock-origin", repr(origin),
                 "--slowdown", str(slowdown.get(node.rank, 1.0)),
+                "--threads", "1",
                 *as_flags(config),
             ]  # fmt: skip
-            node.start(argv, _node_env(), files.enter_context(node.log.open("w")))
+            node.start(node_main, argv)
+        for node in nodes:
+            node.watch()
         _watch(nodes, stop, LiveTable(stream, interactive=stream.isatty()), origin)
     wall_time_s = time.time() - origin
     results = [node.result() for node in nodes]
@@ -146,12 +178,10 @@ def _watch(nodes: list[NodeProcess], stop: threading.Event, table: LiveTable, or
         if stop.is_set() and kill_at is None:
             kill_at = time.monotonic() + STOP_GRACE_S
             for node in nodes:
-                if node.poll() is None and node.process is not None:
-                    node.process.terminate()
+                node.send_signal(signal.SIGTERM)
         if kill_at is not None and time.monotonic() > kill_at:
             for node in nodes:
-                if node.poll() is None and node.process is not None:
-                    node.process.kill()
+                node.send_signal(signal.SIGKILL)
         table.update([n.row for n in nodes], header=f"t = {time.time() - origin:6.1f} s")
         time.sleep(_REFRESH_S)
     table.update([n.row for n in nodes], header=f"t = {time.time() - origin:6.1f} s", force=True)
@@ -170,9 +200,22 @@ def _forward_termination(stop: threading.Event) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _node_env() -> dict[str, str]:
-    """One compute thread per node, so N nodes on few cores do not fight over them."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _run_forked(node_main: NodeMain, argv: list[str], *, stdout_fd: int, stderr_fd: int) -> None:
+    """The body of a forked node: its own session, its own stdout and stderr; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until _exit
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        code = node_main(argv)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _consensus(param_files: list[Path]) -> float | None:
