@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -31,6 +32,7 @@ from gossip import GossipOptimizer
 from p2p import AddressError, Peer, TransportError
 from p2p.address import split_endpoint
 from p2p.wire import Limits
+from runtime import topology_view
 from runtime.config import (
     ConfigError,
     MeshConfig,
@@ -45,7 +47,7 @@ from runtime.pacing import StepPacer
 from runtime.recorder import Recorder
 from runtime.report import NodeRecord, TimelinePoint, build_report, json_safe, write_json
 from tasks import Task, batches, load_task
-from topologies import member_order
+from topologies import NAMES, Topology, TopologyError, analyze, member_order
 
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
@@ -80,6 +82,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         peer.wait_ready(config.startup_timeout, cancelled=stop.is_set)
         ordered = member_order(peer.members())
         record.rank = ordered.index(node_id)
+        Topology.parse(config.topology).graph(len(ordered))  # fail now if undefined for this mesh
         _emit(config, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
         if not stop.is_set():
             Trainer(config, task, model, peer, record, lambda: time.time() - origin).run(stop)
@@ -87,7 +90,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     except Exception as exc:
         record.status = "failed"
         record.error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, TransportError | AddressError):
+        if isinstance(exc, TransportError | AddressError | TopologyError):
             raise
         traceback.print_exc()
     finally:
@@ -158,10 +161,12 @@ class Trainer:
                 record.steps += 1
                 self._smooth(loss.item())
         finally:
+            self.peer.leave(after_round=self.optimizer.averager.round - 1)
             final = self.recorder.stop()
             record.timeline = self.recorder.timeline
             record.final = {"loss": final.loss, "accuracy": final.accuracy}
             record.rounds = self.optimizer.averager.round
+            record.topology_fallback_rounds = self.optimizer.averager.fallback_rounds
             for reason, count in self.optimizer.averager.rejected.items():
                 record.rejected_by_reason[reason] = record.rejected_by_reason.get(reason, 0) + count
 
@@ -263,6 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start N daemons as separate processes on 127.0.0.1, show a live table, write a report.",
     )
     add_arguments(mesh, MeshConfig)
+    topology = commands.add_parser(
+        "topology",
+        help="inspect a topology: degree, spectral gap, diameter, bytes per round; draw it",
+        description="Analyse a topology for N nodes (or compare all of them) and draw it.",
+    )
+    topology.add_argument("name", nargs="?", help=f"NAME or NAME:key=value,...; one of {', '.join(NAMES)}")
+    topology.add_argument("--nodes", type=int, default=16, metavar="N", help="node count (default: 16)")
+    topology.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a parameter")
+    topology.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    topology.add_argument("--png", type=Path, metavar="FILE", help="draw the graph (round 0) to a PNG")
+    topology.add_argument("--compare", action="store_true", help="a table of every named topology")
+    topology.add_argument(
+        "--model-bytes",
+        type=int,
+        metavar="B",
+        help="model size for bytes per round (default: the digits MLP)",
+    )
     return parser
 
 
@@ -270,15 +292,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "topology":
+            return _topology_command(args, parser)
         if args.command == "node":
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)
         mesh_config = parse_args_into(MeshConfig, args, os.environ)
         _preload_for_nodes()
         return run_mesh(mesh_config, node_main=main)
-    except (ConfigError, AddressError, TransportError) as exc:
+    except (ConfigError, AddressError, TransportError, TopologyError) as exc:
         print(f"gossipmesh: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+
+
+def _topology_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.nodes < 1:
+        parser.error("--nodes must be >= 1")
+    model_bytes = args.model_bytes
+    if model_bytes is None:
+        model_bytes = sum(p.numel() * p.element_size() for p in load_task("digits").model(0).parameters())
+    if args.compare:
+        topology_view.compare(args.nodes, model_bytes, sys.stdout)
+        return 0
+    if args.name is None:
+        parser.error("give a topology NAME, or --compare")
+    topology = topology_view.with_params(args.name, args.param)
+    analysis = analyze(topology, args.nodes, model_bytes)
+    if args.json:
+        print(topology_view.as_json(analysis))
+    else:
+        topology_view.describe(analysis, sys.stdout)
+    if args.png is not None:
+        topology_view.draw_png(topology, args.nodes, args.png)
+        if not args.json:
+            print(f"drawing        {args.png}")
+    return 0
 
 
 def _preload_for_nodes() -> None:
@@ -288,6 +336,7 @@ def _preload_for_nodes() -> None:
 
 
 def _node_command(config: NodeConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

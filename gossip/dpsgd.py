@@ -1,18 +1,22 @@
 """Synchronous decentralized averaging: D-PSGD (Lian et al., NeurIPS 2017).
 
-After a local step, node i sends its parameters x_i to its neighbours for round r, waits up to
-``round_timeout`` for theirs, and mixes ``x_i <- sum_j W_ij x_j`` over what arrived, with the
-weights renormalised so they still sum to one. With every message on time and a symmetric
-doubly-stochastic W the mean of all models is preserved exactly.
+After a local step, node i sends its parameters x_i to the nodes it sends to in round r, waits up
+to ``round_timeout`` for the values of the nodes it receives from, and mixes
+``x_i <- sum_j W_ij x_j`` over what arrived, with the weights renormalised so they still sum to
+one. With every message on time and a doubly-stochastic W the mean of all models is preserved
+exactly. The graph may be directed or change every round (``one-peer-exponential``,
+``random-matching``): each round's row comes from the topology.
 
 A neighbour that misses a round is not waited for again until one of its messages arrives on
-time, so a dead or far-behind peer costs one timeout, not one per round. A departed member (its
-leave reached the membership view) is not waited for at all.
+time, so a dead or far-behind peer costs one timeout, not one per round. Rows come from the
+membership of the round (``peer.members(round)``): a node that left after round R is part of the
+graph up to R and gone from R + 1 on every node, and it is not waited for past its last round.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -22,18 +26,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from gossip.network import Envelope, PeerNetwork
-from topologies import MixingRow, mixing_row
+from topologies import MixingRow, Topology, mixing_row
 
 KIND = "params"
+log = logging.getLogger(__name__)
 _MIX_CHUNK = 1 << 20  # elements mixed per vector op: bounds the scratch memory
 
 
 @dataclass(frozen=True)
 class RoundStats:
     round: int
-    neighbors: int
+    expected: int  # values this node waited for
     arrived: int
     wait_s: float
+    topology: Topology  # the graph used this round (the fallback where the chosen one is undefined)
 
 
 class DPSGD:
@@ -42,7 +48,7 @@ class DPSGD:
     Args:
         peer: the node's network (``p2p.Peer`` or a simulator).
         params: the flat parameter buffer, modified in place by :meth:`average`.
-        topology: a name from ``topologies.NAMES``.
+        topology: the graph (or schedule) to average on.
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while ``params`` is written, so readers (evaluation) see whole updates.
         max_rounds_ahead: how far ahead of this node a neighbour's message may be and still
@@ -54,7 +60,7 @@ class DPSGD:
         peer: PeerNetwork,
         params: np.ndarray,
         *,
-        topology: str,
+        topology: Topology,
         round_timeout: float,
         lock: AbstractContextManager[object] | None = None,
         max_rounds_ahead: int = 64,
@@ -65,6 +71,7 @@ class DPSGD:
         self.round_timeout = round_timeout
         self.round = 0
         self.rejected: Counter[str] = Counter()
+        self.fallback_rounds = 0
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, np.ndarray]] = defaultdict(dict)
@@ -74,21 +81,29 @@ class DPSGD:
     def average(self) -> RoundStats:
         """One gossip round: send, gather (bounded), mix."""
         r = self.round
-        row = mixing_row(self.topology, self.peer.members(), self.peer.node_id, r)
+        row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
-        for neighbor in row.neighbors:
-            self.peer.send(neighbor, KIND, r, [snapshot])
+        for target in row.send_to:
+            self.peer.send(target, KIND, r, [snapshot])
         started = time.monotonic()
         arrived = self._gather(r, row)
         wait_s = time.monotonic() - started
         with self._lock:
             self._mix(snapshot, row, arrived)
         self.round += 1
-        return RoundStats(round=r, neighbors=len(row.neighbors), arrived=len(arrived), wait_s=wait_s)
+        if row.topology != self.topology and self.fallback_rounds == 0:
+            log.warning(
+                "%s is not defined for %d members: averaging on %s until it is",
+                self.topology,
+                len(self.peer.members(r)),
+                row.topology,
+            )
+        self.fallback_rounds += row.topology != self.topology
+        return RoundStats(r, len(row.receive_from), len(arrived), wait_s, row.topology)
 
     def _gather(self, r: int, row: MixingRow) -> dict[str, np.ndarray]:
         got = self._early.pop(r, {})
-        waiting = set(row.neighbors) - got.keys() - self._not_waited
+        waiting = set(row.receive_from) - got.keys() - self._not_waited
         deadline = time.monotonic() + self.round_timeout
         while waiting:
             remaining = deadline - time.monotonic()
@@ -96,14 +111,14 @@ class DPSGD:
                 break
             message = self.peer.recv(remaining)
             if message is None:
-                waiting &= self.peer.members()  # a neighbour that left is not waited for
+                waiting &= self.peer.members(r)  # a neighbour that left is not waited for
             else:
                 self._file(message, r, got)
                 waiting -= got.keys()
         while (message := self.peer.recv(0)) is not None:  # whatever else is already here
             self._file(message, r, got)
         self._not_waited |= waiting
-        return {j: got[j] for j in row.neighbors if j in got}
+        return {j: got[j] for j in row.receive_from if j in got}
 
     def _file(self, message: Envelope, r: int, got: dict[str, np.ndarray]) -> None:
         """Keep a neighbour's parameters for their round, or count why not."""
@@ -131,10 +146,10 @@ class DPSGD:
         return None
 
     def _mix(self, own: np.ndarray, row: MixingRow, arrived: Mapping[str, np.ndarray]) -> None:
-        total = row.self_weight + sum(row.neighbors[j] for j in arrived)
-        np.multiply(own, row.self_weight / total, out=self.params)
+        row = row.renormalized(arrived)
+        np.multiply(own, row.self_weight, out=self.params)
         for sender, theirs in arrived.items():
-            _add_scaled(self.params, theirs, row.neighbors[sender] / total, self._scratch)
+            _add_scaled(self.params, theirs, row.receive_from[sender], self._scratch)
 
 
 def all_finite(array: np.ndarray) -> bool:

@@ -31,8 +31,9 @@ class PeerNetwork(Protocol):
     @property
     def node_id(self) -> str: ...
 
-    def members(self) -> frozenset[str]:
-        """Live member ids, this node included."""
+    def members(self, round: int | None = None) -> frozenset[str]:
+        """Member ids, this node included: now, or in gossip ``round`` (a node that left after
+        round R is still a member of rounds up to R, so views agree on each round's graph)."""
         ...
 
     def send(

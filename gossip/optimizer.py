@@ -11,6 +11,7 @@ import torch
 from gossip.dpsgd import DPSGD, RoundStats
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
+from topologies import Topology
 
 ALGORITHMS = ("dpsgd",)
 
@@ -25,7 +26,8 @@ class GossipOptimizer:
         optimizer: the local optimizer; its parameters are moved into one flat buffer.
         peer: the node's network (``p2p.Peer``).
         algorithm: the averaging algorithm, one of ``ALGORITHMS``.
-        topology: the graph to average on, a name from ``topologies.NAMES``.
+        topology: the graph to average on: a ``topologies.Topology`` or its spelling
+            (``"ring"``, ``"random-regular:degree=4"``, ``"file:graph.json"``...).
         average_every: local steps between gossip rounds.
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while parameters are written (local step and mixing), so another thread can
@@ -38,7 +40,7 @@ class GossipOptimizer:
         *,
         peer: PeerNetwork,
         algorithm: str = "dpsgd",
-        topology: str = "ring",
+        topology: Topology | str = "ring",
         average_every: int = 1,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
@@ -55,7 +57,11 @@ class GossipOptimizer:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.flat = FlatParameters(params)
         self.averager = DPSGD(
-            peer, self.flat.array, topology=topology, round_timeout=round_timeout, lock=lock
+            peer,
+            self.flat.array,
+            topology=topology if isinstance(topology, Topology) else Topology.parse(topology),
+            round_timeout=round_timeout,
+            lock=lock,
         )
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -2,9 +2,13 @@
 
 Runs on the network thread as a transport service. Each node says ``hello`` (its id, the address
 to dial it at, and the ids it has heard from) to every bootstrap address until each of them has
-answered and knows it; then the node is *ready*, and keeps a slow heartbeat. A ``leave`` removes
-its sender at once, so neighbours stop waiting for it. Serverless discovery and failure detection
-replace this service in a later step; the view it offers (``members``) stays the same.
+answered and knows it; then the node is *ready*, and keeps a slow heartbeat.
+
+A ``leave`` names the last round its sender took part in. The view answers "who is a member in
+round r": a node that left after round R is still one for rounds up to R (it sent its messages
+for them) and is gone from R + 1, so nodes that learn of the leave at slightly different times
+still agree on every round's graph. Serverless discovery and failure detection replace this
+service in a later step; the view it offers (``members``) stays the same.
 """
 
 from __future__ import annotations
@@ -31,16 +35,19 @@ class StaticMembership:
         self._bootstrap = {resolve(address) for address in bootstrap}
         self._addresses: dict[str, str] = {}  # peer id -> address to dial it at
         self._knows_me: set[str] = set()
-        self._departed: dict[str, int] = {}  # peer id -> session that said leave
+        self._departed: dict[str, tuple[int, int]] = {}  # peer id -> (session, last round)
         self._members: frozenset[str] = frozenset({transport.node_id})
+        self._lingering: tuple[tuple[str, int], ...] = ()  # (departed id, last round) snapshot
         self._dialed = False
         self.ready = threading.Event()
 
     # -- any thread --------------------------------------------------------------------------
 
-    def members(self) -> frozenset[str]:
-        """Live member ids, this node included (an immutable snapshot)."""
-        return self._members
+    def members(self, round: int | None = None) -> frozenset[str]:
+        """Member ids (this node included) now, or in ``round``: those that left after it count."""
+        if round is None:
+            return self._members
+        return self._members | {node for node, last in self._lingering if round <= last}
 
     def address_of(self, node_id: str) -> str | None:
         return self._addresses.get(node_id)
@@ -50,18 +57,19 @@ class StaticMembership:
         claimed = {self._addresses[i] for i in self._knows_me if i in self._addresses}
         return sorted(self._bootstrap - claimed - {self._transport.address})
 
-    def leave(self) -> None:
-        """Tell every member this node is leaving (sent before the transport closes)."""
-        self._transport.call_soon(self._send_leave)
+    def leave(self, after_round: int = -1) -> None:
+        """Tell every member this node takes part in no round after ``after_round`` (-1: none)."""
+        self._transport.call_soon(lambda: self._send_leave(after_round))
 
     # -- network thread ----------------------------------------------------------------------
 
     def on_message(self, message: Message) -> None:
         if message.kind == "leave":
-            self._departed[message.sender] = message.session
+            last_round = message.meta.get("after_round", -1)
+            self._departed[message.sender] = (message.session, last_round if type(last_round) is int else -1)
             self._addresses.pop(message.sender, None)
             self._knows_me.discard(message.sender)
-        elif self._departed.get(message.sender) != message.session:
+        elif self._departed.get(message.sender, (None,))[0] != message.session:
             self._on_hello(message)
         self._update()
 
@@ -94,8 +102,9 @@ class StaticMembership:
 
     def _update(self) -> None:
         members = frozenset({self._transport.node_id, *self._addresses})
-        if members != self._members:
-            self._members = members
+        lingering = tuple((node, last) for node, (_, last) in self._departed.items() if last >= 0)
+        if members != self._members or lingering != self._lingering:
+            self._members, self._lingering = members, lingering
             self._transport.notify()
         if not self.ready.is_set() and not self.missing():
             self._say_hello()  # make sure every peer has heard that we know it
@@ -110,6 +119,6 @@ class StaticMembership:
         meta = {"address": self._transport.address, "knows": sorted(self._addresses)}
         self._transport.send(address, "hello", 0, meta=meta)
 
-    def _send_leave(self) -> None:
+    def _send_leave(self, after_round: int) -> None:
         for address in self._addresses.values():
-            self._transport.send(address, "leave", 0)
+            self._transport.send(address, "leave", 0, meta={"after_round": after_round})

@@ -37,7 +37,7 @@ class Peer:
         )
         self.membership = StaticMembership(self.transport, bootstrap)
         self.transport.add_service(self.membership)
-        self._closed = False
+        self._left = False
 
     @property
     def node_id(self) -> str:
@@ -68,8 +68,8 @@ class Peer:
                     "running and reachable, or raise --startup-timeout"
                 )
 
-    def members(self) -> frozenset[str]:
-        return self.membership.members()
+    def members(self, round: int | None = None) -> frozenset[str]:
+        return self.membership.members(round)
 
     def send(
         self,
@@ -88,9 +88,13 @@ class Peer:
     def recv(self, timeout: float) -> Message | None:
         return self.transport.recv(timeout)
 
+    def leave(self, after_round: int = -1) -> None:
+        """Tell every member this node takes part in no gossip round after ``after_round``."""
+        if self.transport.address and not self._left:
+            self.membership.leave(after_round)
+        self._left = True
+
     def close(self) -> None:
-        """Say leave to every member, then stop networking (bounded by the linger time)."""
-        if self.transport.address and not self._closed:
-            self.membership.leave()
-        self._closed = True
+        """Leave (if not done yet), then stop networking (bounded by the linger time)."""
+        self.leave()
         self.transport.close()

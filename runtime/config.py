@@ -60,7 +60,9 @@ class TrainConfig:
 
     task: str = _option("digits", f"training task: {', '.join(TASKS)}")
     partition: str = _option("iid", "data split over nodes: iid or dirichlet:ALPHA (label skew)")
-    topology: str = _option("ring", f"averaging graph: {', '.join(topologies.NAMES)}")
+    topology: str = _option(
+        "ring", f"averaging graph, NAME or NAME:key=value,...: {', '.join(topologies.NAMES)}"
+    )
     algorithm: str = _option("dpsgd", f"averaging algorithm: {', '.join(ALGORITHMS)}")
     steps: int | None = _option(
         None, f"local steps to train (default {DEFAULT_STEPS})", parse=int, metavar="N"
@@ -80,11 +82,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.task in TASKS, "--task", f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
-        _check(
-            self.topology in topologies.NAMES,
-            "--topology",
-            f"unknown topology {self.topology!r}; choose {', '.join(topologies.NAMES)}",
-        )
+        try:
+            topologies.Topology.parse(self.topology)
+        except topologies.TopologyError as exc:
+            raise ConfigError(f"--topology: {exc}") from None
         _check(
             self.algorithm in ALGORITHMS,
             "--algorithm",
@@ -178,6 +179,10 @@ class MeshConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(1 <= self.nodes <= 256, "--nodes", f"must be in 1..256, got {self.nodes}")
+        try:  # the graph must exist for this node count (a hypercube needs a power of two...)
+            topologies.Topology.parse(self.topology).graph(self.nodes)
+        except topologies.TopologyError as exc:
+            raise ConfigError(f"--topology: {exc}") from None
         self.slowdown_by_rank()  # validates
 
     def slowdown_by_rank(self) -> dict[int, float]:

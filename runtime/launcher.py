@@ -55,6 +55,7 @@ class NodeProcess:
         self.exit_code: int | None = None
         self._pid = 0
         self._progress_fd = -1
+        self._reader: threading.Thread | None = None
 
     def start(self, node_main: NodeMain, argv: list[str]) -> None:
         """Fork and run ``node_main(argv)`` with stdout to a pipe and stderr to the log."""
@@ -70,7 +71,13 @@ class NodeProcess:
 
     def watch(self) -> None:
         """Follow the node's progress lines (start after every node is forked)."""
-        threading.Thread(target=self._read_progress, name=f"read-{self.id}", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_progress, name=f"read-{self.id}", daemon=True)
+        self._reader.start()
+
+    def finish_reading(self, timeout: float = 5.0) -> None:
+        """Wait for the last progress lines of an exited node."""
+        if self._reader is not None:
+            self._reader.join(timeout)
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -111,11 +118,12 @@ class NodeProcess:
         return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
 
 
-def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO = sys.stdout) -> int:
+def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = None) -> int:
     """Run the mesh to the end; returns 0 when every node finished.
 
     ``node_main`` is the daemon's command-line entry point, called in each forked node.
     """
+    stream = stream or sys.stdout
     run_dir = config.run_dir or Path("runs") / time.strftime("mesh-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path = config.report or run_dir / "report.json"
@@ -184,6 +192,8 @@ def _watch(nodes: list[NodeProcess], stop: threading.Event, table: LiveTable, or
                 node.send_signal(signal.SIGKILL)
         table.update([n.row for n in nodes], header=f"t = {time.time() - origin:6.1f} s")
         time.sleep(_REFRESH_S)
+    for node in nodes:
+        node.finish_reading()
     table.update([n.row for n in nodes], header=f"t = {time.time() - origin:6.1f} s", force=True)
 
 

@@ -37,6 +37,7 @@ class NodeRecord:
     t_first_step: float | None = None
     steps: int = 0
     rounds: int = 0
+    topology_fallback_rounds: int = 0  # rounds averaged on the fallback graph (see topologies)
     final: dict[str, float] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -9,9 +9,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from gossip import DPSGD
+from gossip import DPSGD, PeerNetwork
 from p2p import Peer
 from runtime.launcher import free_ports
+from topologies import Topology
 
 
 def addresses(count: int) -> list[str]:
@@ -41,19 +42,30 @@ def started_peers(
 
 
 def average_in_threads(
-    peers: list[Peer], vectors: list[np.ndarray], *, topology: str, rounds: int, timeout: float = 5.0
+    peers: Sequence[PeerNetwork],
+    vectors: list[np.ndarray],
+    *,
+    topology: str,
+    rounds: int,
+    timeout: float = 5.0,
+    history: list[list[np.ndarray]] | None = None,
 ) -> list[list[float]]:
-    """Run ``rounds`` of pure D-PSGD averaging on every peer at once; returns round durations."""
+    """Run ``rounds`` of pure D-PSGD averaging on every peer at once; returns round durations.
+
+    With ``history``, node i's vector after each round is appended to ``history[i]``.
+    """
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            averager = DPSGD(peers[i], vectors[i], topology=topology, round_timeout=timeout)
+            averager = DPSGD(peers[i], vectors[i], topology=Topology.parse(topology), round_timeout=timeout)
             for _ in range(rounds):
                 started = time.monotonic()
                 averager.average()
                 durations[i].append(time.monotonic() - started)
+                if history is not None:
+                    history[i].append(vectors[i].copy())
         except BaseException as exc:  # surfaced in the test thread below
             errors.append(exc)
 

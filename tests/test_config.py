@@ -46,7 +46,7 @@ def test_repeated_and_comma_separated_bootstrap() -> None:
         (
             ["--topology", "donut"],
             {},
-            "--topology: unknown topology 'donut'; choose ring, exponential, complete",
+            "--topology: unknown topology 'donut'; choose one of ring, torus, exponential",
         ),
         (["--listen", "7000"], {}, "--listen: bad address '7000': expected tcp://HOST:PORT"),
         (["--bootstrap", "x:1,nope"], {}, "--bootstrap: bad address 'nope'"),

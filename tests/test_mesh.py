@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from node import main
 from runtime.pacing import StepPacer
+from topologies import NAMES, Topology
 
 NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 NODE_FIELDS = {
@@ -96,3 +98,49 @@ def test_pacer_stretches_steps() -> None:
     started = time.monotonic()
     unpaced.finish_step(started)
     assert time.monotonic() - started < 0.05
+
+
+@pytest.fixture
+def no_other_threads() -> None:
+    """The mesh forks its nodes from this process: no other thread may hold a lock then."""
+    assert threading.active_count() == 1, [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "file:PATH"] + ["file"])
+def test_mesh_runs_on_every_topology(name: str, tmp_path: Path, no_other_threads: None) -> None:
+    nodes, steps = 8, 40
+    if name == "file":  # a ring with one chord
+        graph = tmp_path / "graph.txt"
+        graph.write_text("\n".join(f"{i} {(i + 1) % nodes}" for i in range(nodes)) + "\n0 4\n")
+        name = f"file:{graph}"
+    argv = [
+        "mesh",
+        "--nodes",
+        str(nodes),
+        "--topology",
+        name,
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0, (tmp_path / "node-0.log").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["topology"] == name
+    topology = Topology.parse(name)
+    model_bytes = 4 * (64 * 128 + 128 + 128 * 10 + 10)
+    for node in report["nodes"]:
+        assert node["status"] == "finished" and node["steps"] == steps
+        assert node["messages_rejected"] == 0, node["rejected_by_reason"]
+        # the node sent its model to the nodes the topology says, every round (in the last
+        # round or two, nodes that finished first have left: up to 2 rounds of slack)
+        sends = sum(len(topology.sends_to(nodes, node["rank"], r)) for r in range(steps))
+        slack = 2 * (nodes - 1)
+        assert (
+            (sends - slack) * model_bytes
+            <= node["bytes_sent"]
+            <= (sends + slack) * (model_bytes + 200) + 20_000
+        )
+        assert node["final"]["accuracy"] > 0.5
+    assert report["consensus_distance"] < 0.2

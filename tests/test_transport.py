@@ -18,6 +18,7 @@ from gossip import DPSGD
 from p2p import Peer, Transport, TransportError
 from p2p.address import AddressError, parse_endpoint
 from p2p.wire import encode
+from topologies import Topology
 
 
 def test_two_processes_exchange_a_tensor(spawn) -> None:  # type: ignore[no-untyped-def]
@@ -164,8 +165,19 @@ def test_mismatched_tensors_are_rejected_by_the_algorithm() -> None:
         a.send("b", "params", 0, [np.zeros(3, np.float32)])  # wrong dtype for b's float64 model
         a.send("b", "params", 0, [np.full(4, np.nan)])  # non-finite
         a.send("b", "params", 0, [np.zeros(5)])  # wrong shape
-        averager = DPSGD(b, np.ones(4), topology="ring", round_timeout=0.5)
+        averager = DPSGD(b, np.ones(4), topology=Topology.parse("ring"), round_timeout=0.5)
         stats = averager.average()
     assert stats.arrived == 0
     assert averager.rejected == {"tensor_mismatch": 2, "non_finite": 1}
     np.testing.assert_array_equal(averager.params, np.ones(4))
+
+
+def test_a_leave_names_the_last_round_its_sender_took_part_in() -> None:
+    with started_peers(["a", "b", "c"]) as (a, _, c):
+        c.leave(after_round=5)
+        assert wait_until(lambda: "c" not in a.members(), 2.0)
+        assert a.members(5) == {"a", "b", "c"}  # c sent its messages for rounds up to 5
+        assert a.members(6) == {"a", "b"}
+        c.close()  # a second leave is not sent: the first one stands
+        time.sleep(0.2)
+        assert a.members(5) == {"a", "b", "c"}

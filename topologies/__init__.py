@@ -1,19 +1,26 @@
-"""Graphs and mixing weights: pure functions of (name, members, round). No I/O."""
+"""Graphs, mixing weights and schedules: pure functions of (topology, members, round). No I/O."""
 
-from topologies.graphs import BUILDERS, TopologyError, build
-from topologies.membership import MixingRow, member_order, mixing_matrix, mixing_row
-from topologies.weights import check_doubly_stochastic, metropolis_hastings
-
-NAMES = tuple(BUILDERS)
+from topologies.analysis import Analysis, analyze, second_eigenvalue_modulus
+from topologies.graphs import TopologyError
+from topologies.membership import MixingRow, member_order, mixing_row
+from topologies.schedules import active_passive, pairwise_partner
+from topologies.spec import FAMILIES, NAMES, Topology
+from topologies.weights import SCHEMES, check_column_stochastic, check_doubly_stochastic
 
 __all__ = [
+    "FAMILIES",
     "NAMES",
+    "SCHEMES",
+    "Analysis",
     "MixingRow",
+    "Topology",
     "TopologyError",
-    "build",
+    "active_passive",
+    "analyze",
+    "check_column_stochastic",
     "check_doubly_stochastic",
     "member_order",
-    "metropolis_hastings",
-    "mixing_matrix",
     "mixing_row",
+    "pairwise_partner",
+    "second_eigenvalue_modulus",
 ]

@@ -1,9 +1,14 @@
 """Topology from membership: every node derives the same graph from the same member ids.
 
 The live member ids are ordered with :func:`member_order` (natural sort, so ``node-2`` comes
-before ``node-10``); a node's position in that order is its vertex in the named graph. Nodes
-that share a view therefore agree on every edge and weight with no coordination, and a change
-of membership changes the graph for the next round.
+before ``node-10``); a node's position in that order is its vertex in the topology's graph for
+the round. Nodes that share a view therefore agree on every edge and weight with no
+coordination, and a change of membership changes the graph for the next round.
+
+Some graphs exist only for some sizes (a hypercube needs a power of two, a user file fixes n).
+When members come or go and the topology is not defined for the new count, the row comes from
+:data:`FALLBACK` (defined for every n, and still agreed by all nodes) until it is defined again,
+so a departure never stops averaging.
 """
 
 from __future__ import annotations
@@ -11,22 +16,30 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
-import numpy as np
+from topologies.graphs import TopologyError
+from topologies.spec import Topology
 
-from topologies.graphs import build
-from topologies.weights import metropolis_hastings
-
+FALLBACK = Topology("exponential")
 _DIGITS = re.compile(r"(\d+)")
 
 
 @dataclass(frozen=True)
 class MixingRow:
-    """One node's row of the mixing matrix for one round."""
+    """One node's part of one round: whom it sends to, and how it weighs what it receives."""
 
     self_weight: float
-    neighbors: Mapping[str, float]
+    receive_from: Mapping[str, float]
+    send_to: tuple[str, ...]
+    topology: Topology  # the one used: the requested one, or FALLBACK where it is not defined
+
+    def renormalized(self, arrived: Iterable[str]) -> MixingRow:
+        """The row restricted to the senders whose values arrived, scaled to sum to 1 again."""
+        arrived = set(arrived)
+        kept = {j: w for j, w in self.receive_from.items() if j in arrived}
+        total = self.self_weight + sum(kept.values())
+        weights = {j: w / total for j, w in kept.items()}
+        return MixingRow(self.self_weight / total, weights, self.send_to, self.topology)
 
 
 def member_order(members: Iterable[str]) -> list[str]:
@@ -34,20 +47,21 @@ def member_order(members: Iterable[str]) -> list[str]:
     return sorted(members, key=lambda m: [int(p) if p.isdigit() else p for p in _DIGITS.split(m)])
 
 
-def mixing_row(topology: str, members: Iterable[str], me: str, round: int = 0) -> MixingRow:
-    """``me``'s neighbours and mixing weights among ``members`` in ``round``."""
+def mixing_row(topology: Topology, members: Iterable[str], me: str, round: int = 0) -> MixingRow:
+    """``me``'s row among ``members`` in ``round`` (from :data:`FALLBACK` where ``topology``
+    has no graph for this many members)."""
     ordered = member_order(members)
     if me not in ordered:
         raise ValueError(f"{me!r} is not among the members {ordered}")
-    weights = mixing_matrix(topology, len(ordered))
-    i = ordered.index(me)
-    neighbors = {ordered[j]: float(weights[i, j]) for j in np.flatnonzero(weights[i]) if j != i}
-    return MixingRow(self_weight=float(weights[i, i]), neighbors=neighbors)
-
-
-@lru_cache(maxsize=64)
-def mixing_matrix(topology: str, n: int) -> np.ndarray:
-    """The Metropolis–Hastings matrix of the named graph on n nodes (cached, read-only)."""
-    weights = metropolis_hastings(build(topology, n))
-    weights.flags.writeable = False
-    return weights
+    n, i = len(ordered), ordered.index(me)
+    try:
+        topology.graph(n, round)
+    except TopologyError:
+        topology = FALLBACK
+    self_weight, row = topology.row(n, i, round)
+    return MixingRow(
+        self_weight=self_weight,
+        receive_from={ordered[j]: w for j, w in row.items()},
+        send_to=tuple(ordered[j] for j in topology.sends_to(n, i, round)),
+        topology=topology,
+    )
