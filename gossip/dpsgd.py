@@ -29,6 +29,7 @@ from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology, mixing_row
 
 KIND = "params"
+KINDS = (KIND,)
 log = logging.getLogger(__name__)
 _MIX_CHUNK = 1 << 20  # elements mixed per vector op: bounds the scratch memory
 
@@ -109,13 +110,13 @@ class DPSGD:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            message = self.peer.recv(remaining)
+            message = self.peer.recv(remaining, KINDS)
             if message is None:
                 waiting &= self.peer.members(r)  # a neighbour that left is not waited for
             else:
                 self._file(message, r, got)
                 waiting -= got.keys()
-        while (message := self.peer.recv(0)) is not None:  # whatever else is already here
+        while (message := self.peer.recv(0, KINDS)) is not None:  # whatever else is already here
             self._file(message, r, got)
         self._not_waited |= waiting
         return {j: got[j] for j in row.receive_from if j in got}

@@ -6,7 +6,7 @@ algorithm is written once. Nothing here opens a socket.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,6 +47,7 @@ class PeerNetwork(Protocol):
         """Queue a message without blocking; tensors must stay unmodified afterwards."""
         ...
 
-    def recv(self, timeout: float) -> Envelope | None:
-        """The next message, or None after ``timeout`` s or when the membership changed."""
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
+        """The oldest message (of one of ``kinds``, if given), or None after ``timeout`` s or
+        when the membership changed."""
         ...

@@ -7,7 +7,7 @@ id, the membership view says who is live, and sends never block.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,8 +85,8 @@ class Peer:
             return
         self.transport.send(address, kind, round, tensors, meta)
 
-    def recv(self, timeout: float) -> Message | None:
-        return self.transport.recv(timeout)
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
+        return self.transport.recv(timeout, kinds)
 
     def leave(self, after_round: int = -1) -> None:
         """Tell every member this node takes part in no gossip round after ``after_round``."""

@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
+from p2p.inbox import Inbox
 from p2p.wire import Limits, Message, WireError, decode, encode
 
 _DRAIN_BATCH = 256
@@ -110,8 +111,7 @@ class Transport:
         self._send_order = threading.Lock()
         self._services: dict[str, Service] = {}
         self._service_list: list[Service] = []
-        self._inbox: deque[Message] = deque(maxlen=inbox_size)
-        self._inbox_ready = threading.Condition()
+        self._inbox = Inbox(inbox_size)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -180,17 +180,14 @@ class Transport:
             )
             self.call_soon(lambda: self._send_now(address, frames))
 
-    def recv(self, timeout: float) -> Message | None:
-        """The next inbox message, or None after ``timeout`` s or a :meth:`notify`."""
-        with self._inbox_ready:
-            if not self._inbox:
-                self._inbox_ready.wait(timeout)
-            return self._inbox.popleft() if self._inbox else None
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
+        """The oldest inbox message (of one of ``kinds``, if given), or None after ``timeout``
+        s or a :meth:`notify`. Messages of other kinds stay for their own readers."""
+        return self._inbox.get(timeout, kinds)
 
     def notify(self) -> None:
-        """Wake threads blocked in :meth:`recv` (used when membership changes)."""
-        with self._inbox_ready:
-            self._inbox_ready.notify_all()
+        """Make threads blocked in :meth:`recv` return (used when membership changes)."""
+        self._inbox.notify()
 
     def tick_within(self, delay: float) -> None:
         """Run the services' ticks within ``delay`` s (network thread only)."""
@@ -271,11 +268,8 @@ class Transport:
         if service is not None:
             service.on_message(message)
         elif self._inbox_kinds is None or message.kind in self._inbox_kinds:
-            with self._inbox_ready:
-                if len(self._inbox) == self._inbox.maxlen:
-                    self.stats.dropped["inbox_full"] += 1
-                self._inbox.append(message)
-                self._inbox_ready.notify()
+            if not self._inbox.put(message):
+                self.stats.dropped["inbox_full"] += 1
         else:
             self.stats.rejected["unknown_kind"] += 1
 

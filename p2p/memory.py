@@ -1,29 +1,22 @@
 """An in-process network: peers exchange messages through memory, no sockets.
 
-It implements :class:`gossip.network.PeerNetwork`, so the algorithms that run over ZeroMQ run
-here unchanged: for tests of the averaging math at sizes a machine cannot run as processes, and
-as the transport of a simulator. Messages carry references to the sender's tensors (which the
-interface says stay unmodified), handed to receivers read-only.
+It offers the gossip algorithms what :class:`p2p.Peer` offers them (``gossip.network.PeerNetwork``),
+so the algorithms that run over ZeroMQ run here unchanged: for tests of the averaging math at
+sizes a machine cannot run as processes, and as the transport of a simulator. Messages carry
+references to the sender's tensors (which the interface says stay unmodified), handed to
+receivers read-only.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class MemoryMessage:
-    kind: str
-    sender: str
-    round: int
-    tensors: Sequence[np.ndarray]
-    meta: Mapping[str, Any] = field(default_factory=dict)
+from p2p.inbox import Inbox
+from p2p.wire import Message
 
 
 class MemoryNetwork:
@@ -55,7 +48,7 @@ class MemoryNetwork:
             return self._members
         return self._members | {node for node, last in list(self._last_rounds.items()) if round <= last}
 
-    def deliver(self, to: str, message: MemoryMessage) -> bool:
+    def deliver(self, to: str, message: Message) -> bool:
         peer = self._peers.get(to)
         if peer is None:
             return False
@@ -73,8 +66,7 @@ class MemoryPeer:
     def __init__(self, network: MemoryNetwork, node_id: str) -> None:
         self.network = network
         self._node_id = node_id
-        self._inbox: deque[MemoryMessage] = deque()
-        self._ready = threading.Condition()
+        self._inbox = Inbox(maxlen=1 << 20)
         self.bytes_sent = 0
         self.messages_dropped = 0
 
@@ -93,26 +85,20 @@ class MemoryPeer:
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        message = MemoryMessage(kind, self._node_id, round, tuple(_read_only(t) for t in tensors), meta or {})
+        message = Message(kind, self._node_id, round, tuple(_read_only(t) for t in tensors), meta or {})
         if self.network.deliver(to, message):
             self.bytes_sent += sum(t.nbytes for t in tensors)
         else:
             self.messages_dropped += 1
 
-    def recv(self, timeout: float) -> MemoryMessage | None:
-        with self._ready:
-            if not self._inbox:
-                self._ready.wait(timeout)
-            return self._inbox.popleft() if self._inbox else None
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
+        return self._inbox.get(timeout, kinds)
 
-    def put(self, message: MemoryMessage) -> None:
-        with self._ready:
-            self._inbox.append(message)
-            self._ready.notify()
+    def put(self, message: Message) -> None:
+        self._inbox.put(message)
 
     def wake(self) -> None:
-        with self._ready:
-            self._ready.notify_all()
+        self._inbox.notify()
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
