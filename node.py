@@ -8,7 +8,6 @@ local test mesh of daemons as separate processes. ``python node.py ...`` is ``go
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -19,7 +18,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
@@ -28,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossip import GossipOptimizer
+from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
 from p2p import AddressError, Peer, TransportError
 from p2p.address import split_endpoint
+from p2p.membership import NOT_YET, PROFILES
 from p2p.wire import Limits
 from runtime import topology_view
 from runtime.config import (
@@ -41,51 +41,60 @@ from runtime.config import (
     parse_args_into,
     summary,
 )
-from runtime.console import progress_line
+from runtime.console import emit, say
 from runtime.launcher import run_mesh
-from runtime.pacing import StepPacer
-from runtime.recorder import Recorder
-from runtime.report import NodeRecord, TimelinePoint, build_report, json_safe, write_json
-from tasks import Task, batches, load_task
+from runtime.report import NodeRecord, build_report, write_json
+from runtime.trainer import Trainer
+from tasks import load_task
 from topologies import NAMES, Topology, TopologyError, analyze, member_order
-
-_LOSS_SMOOTHING = 0.9
-_TEXT_PROGRESS_EVERY_S = 1.0
 
 
 def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     """Run one daemon until its steps or duration are spent or ``stop`` is set.
 
     The report (and the final parameters, if asked) are written whatever happens once the
-    node is listening. Raises TransportError / AddressError for what the user must fix.
+    node is listening. Raises TransportError / AddressError / TopologyError for what the user
+    must fix.
     """
     origin = config.clock_origin if config.clock_origin is not None else time.time()
+
+    def clock() -> float:
+        """The report clock: seconds since the mesh (or this lone node) started."""
+        return time.time() - origin
+
     if config.threads:
         torch.set_num_threads(config.threads)
     task = load_task(config.task)
     model = task.model(config.seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     node_id = config.id or _default_id(config.listen)
+    joins_running_mesh = bool(config.bootstrap) and config.expect == 0
     peer = Peer(
         node_id,
         config.listen,
         config.bootstrap,
         advertise=config.advertise,
-        inbox_kinds={"params"},
-        limits=Limits(max_message_bytes=model_bytes),
+        limits=Limits(max_message_bytes=max(model_bytes, STATE_CHUNK_BYTES)),
+        profile=PROFILES[config.profile],
+        clock=clock,
+        first_round=NOT_YET if joins_running_mesh else 0,
     )
     peer.start()
     record = NodeRecord(id=node_id, rank=-1, address=peer.address)
     started = time.monotonic()
     try:
-        _say(config, f"{node_id} listening on {peer.address}, waiting for {len(config.bootstrap)} peers")
-        peer.wait_ready(config.startup_timeout, cancelled=stop.is_set)
+        say(config.progress, f"{node_id} listening on {peer.address}")
+        peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=stop.is_set)
         ordered = member_order(peer.members())
         record.rank = ordered.index(node_id)
         Topology.parse(config.topology).graph(len(ordered))  # fail now if undefined for this mesh
-        _emit(config, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
+        emit(config.progress, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
+        trainer = Trainer(config, task, model, peer, record, clock)
+        if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
+            trainer.join_running_mesh()
+            record.t_joined = round(clock(), 3)
         if not stop.is_set():
-            Trainer(config, task, model, peer, record, lambda: time.time() - origin).run(stop)
+            trainer.run(stop)
         record.status = "finished"
     except Exception as exc:
         record.status = "failed"
@@ -96,116 +105,27 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     finally:
         peer.close()
         _count_network(record, peer)
-        _save(config, record, model, time.monotonic() - started)
+        _save(config, record, model, peer.membership.events, time.monotonic() - started)
     return record
 
 
-class Trainer:
-    """The training loop of one node: local steps through the gossip optimizer, paced."""
-
-    def __init__(
-        self,
-        config: NodeConfig,
-        task: Task,
-        model: torch.nn.Module,
-        peer: Peer,
-        record: NodeRecord,
-        clock: Callable[[], float],
-    ) -> None:
-        self.config = config
-        self.task = task
-        self.model = model
-        self.peer = peer
-        self.record = record
-        self.clock = clock
-        self.train_loss = math.nan
-        self.lock = threading.Lock()
-        self.optimizer = GossipOptimizer(
-            torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum),
-            peer=peer,
-            algorithm=config.algorithm,
-            topology=config.topology,
-            average_every=config.average_every,
-            round_timeout=config.round_timeout,
-            lock=self.lock,
-        )
-        self.recorder = Recorder(
-            evaluate=lambda: task.evaluate(model),
-            progress=self._progress,
-            lock=self.lock,
-            clock=clock,
-            interval=config.eval_interval,
-            on_point=self._show,
-        )
-        self._last_text = -math.inf
-
-    def run(self, stop: threading.Event) -> None:
-        config, record = self.config, self.record
-        members = len(self.peer.members())
-        shard = self.task.shard(record.rank, members, partition=config.partition, seed=config.seed)
-        pacer = StepPacer(config.compute_ms, config.slowdown)
-        budget = config.step_budget
-        deadline = time.monotonic() + config.duration if config.duration else math.inf
-        record.t_first_step = round(self.clock(), 3)
-        self.recorder.start()
-        try:
-            for inputs, targets in batches(shard, config.batch_size, seed=config.seed + record.rank):
-                if stop.is_set() or record.steps == budget or time.monotonic() >= deadline:
-                    break
-                started = time.monotonic()
-                loss = self.task.loss(self.model, inputs, targets)
-                self.optimizer.zero_grad()
-                loss.backward()
-                pacer.finish_step(started)
-                self.optimizer.step()
-                record.steps += 1
-                self._smooth(loss.item())
-        finally:
-            self.peer.leave(after_round=self.optimizer.averager.round - 1)
-            final = self.recorder.stop()
-            record.timeline = self.recorder.timeline
-            record.final = {"loss": final.loss, "accuracy": final.accuracy}
-            record.rounds = self.optimizer.averager.round
-            record.topology_fallback_rounds = self.optimizer.averager.fallback_rounds
-            for reason, count in self.optimizer.averager.rejected.items():
-                record.rejected_by_reason[reason] = record.rejected_by_reason.get(reason, 0) + count
-
-    def _smooth(self, loss: float) -> None:
-        if math.isnan(self.train_loss):
-            self.train_loss = loss
-        else:
-            self.train_loss = _LOSS_SMOOTHING * self.train_loss + (1 - _LOSS_SMOOTHING) * loss
-
-    def _progress(self) -> tuple[int, int, float, int]:
-        stats = self.peer.stats
-        return self.record.steps, self.optimizer.averager.round, self.train_loss, stats.bytes_sent
-
-    def _show(self, point: TimelinePoint) -> None:
-        row = {
-            "id": self.record.id,
-            "rank": self.record.rank,
-            **asdict(point),
-            "bytes_received": self.peer.stats.bytes_received,
-            "peers": len(self.peer.members()) - 1,
-        }
-        if self.config.progress == "json":
-            _emit(self.config, {"event": "point", **row})
-        elif self.config.progress == "text" and point.t - self._last_text >= _TEXT_PROGRESS_EVERY_S:
-            self._last_text = point.t
-            print(f"[{point.t:7.2f}s] {progress_line(row)}", file=sys.stderr, flush=True)
-
-
 def _count_network(record: NodeRecord, peer: Peer) -> None:
+    """Add the transport's counters to the algorithm's (already in the record)."""
     stats = peer.stats
     record.bytes_sent = stats.bytes_sent
     record.bytes_received = stats.bytes_received
-    rejected = Counter(record.rejected_by_reason) + stats.rejected
-    record.rejected_by_reason = dict(rejected)
-    record.messages_rejected = sum(rejected.values())
-    record.dropped_by_reason = dict(stats.dropped)
+    record.rejected_by_reason = dict(Counter(record.rejected_by_reason) + stats.rejected)
+    record.messages_rejected = sum(record.rejected_by_reason.values())
+    record.dropped_by_reason = dict(Counter(record.dropped_by_reason) + stats.dropped)
 
 
-def _save(config: NodeConfig, record: NodeRecord, model: torch.nn.Module, wall_time_s: float) -> None:
+def _save(
+    config: NodeConfig,
+    record: NodeRecord,
+    model: torch.nn.Module,
+    events: list[dict[str, Any]],
+    wall_time_s: float,
+) -> None:
     if config.save_params is not None:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
         _save_array(config.save_params, flat)
@@ -215,6 +135,7 @@ def _save(config: NodeConfig, record: NodeRecord, model: torch.nn.Module, wall_t
             config=summary(config),
             nodes=[asdict(record)],
             consensus_distance=0.0,
+            membership_events=events,
         )
         write_json(config.report, report)
 
@@ -233,17 +154,6 @@ def _default_id(listen: str) -> str:
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
     _, port = split_endpoint(listen)
     return f"{host.strip('-.') or 'node'}-{port or os.getpid()}"
-
-
-def _say(config: NodeConfig, text: str) -> None:
-    if config.progress != "none":
-        print(text, file=sys.stderr, flush=True)
-
-
-def _emit(config: NodeConfig, event: dict[str, Any]) -> None:
-    """A machine-readable progress event on stdout (``--progress json``, read by the mesh)."""
-    if config.progress == "json":
-        print(json.dumps(json_safe(event), allow_nan=False), flush=True)
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -353,8 +263,8 @@ def _node_command(config: NodeConfig) -> int:
         print(f"gossipmesh: node failed: {record.error}", file=sys.stderr)
         return 1
     final = record.final
-    _say(
-        config,
+    say(
+        config.progress,
         f"{record.id} finished: {record.steps} steps, held-out accuracy "
         f"{final.get('accuracy', math.nan):.3f}, loss {final.get('loss', math.nan):.4f}",
     )

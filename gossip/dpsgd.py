@@ -1,14 +1,18 @@
 """Synchronous decentralized averaging: D-PSGD (Lian et al., NeurIPS 2017).
 
-After a local step, node i sends its parameters x_i to the nodes it sends to in round r, waits up
-to ``round_timeout`` for the values of the nodes it receives from, and mixes
+After a local step, node i sends its parameters x_i to the nodes it sends to in round r, waits a
+bounded time for the values of the nodes it receives from, and mixes
 ``x_i <- sum_j W_ij x_j`` over what arrived, with the weights renormalised so they still sum to
 one. With every message on time and a doubly-stochastic W the mean of all models is preserved
 exactly. The graph may be directed or change every round (``one-peer-exponential``,
 ``random-matching``): each round's row comes from the topology.
 
-A neighbour that misses a round is not waited for again until one of its messages arrives on
-time, so a dead or far-behind peer costs one timeout, not one per round. Rows come from the
+The wait is derived from measured round times, not guessed: ``WAIT_FACTOR`` times the median of
+the recent rounds (steps included), within ``[MIN_WAIT_S, round_timeout]``, so a crashed or
+paused neighbour stalls the others for a few typical rounds, not seconds. A neighbour that
+misses a round is not waited for again until any message of its arrives (an on-time one, or a
+late one from a neighbour that is behind and catching up), so a dead peer costs one wait, not one
+per round, until the membership drops it. Rows come from the
 membership of the round (``peer.members(round)``): a node that left after round R is part of the
 graph up to R and gone from R + 1 on every node, and it is not waited for past its last round.
 """
@@ -17,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -28,6 +33,9 @@ import numpy as np
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology, mixing_row
 
+WAIT_FACTOR = 10.0
+MIN_WAIT_S = 0.05
+RECENT_ROUNDS = 32
 KIND = "params"
 KINDS = (KIND,)
 log = logging.getLogger(__name__)
@@ -50,7 +58,8 @@ class DPSGD:
         peer: the node's network (``p2p.Peer`` or a simulator).
         params: the flat parameter buffer, modified in place by :meth:`average`.
         topology: the graph (or schedule) to average on.
-        round_timeout: the longest a round waits for a neighbour, in seconds.
+        round_timeout: the longest a round ever waits for a neighbour, in seconds (the wait
+            before there is a history of rounds, and the cap of the adaptive wait).
         lock: held while ``params`` is written, so readers (evaluation) see whole updates.
         max_rounds_ahead: how far ahead of this node a neighbour's message may be and still
             be kept for its round.
@@ -70,8 +79,11 @@ class DPSGD:
         self.params = params
         self.topology = topology
         self.round_timeout = round_timeout
+        self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
+        self._last_start: float | None = None
         self.round = 0
-        self.rejected: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()  # malformed: wrong kind, dtype, shape, NaN...
+        self.dropped: Counter[str] = Counter()  # well-formed but out of time: stale, too far ahead
         self.fallback_rounds = 0
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._max_ahead = max_rounds_ahead
@@ -79,8 +91,18 @@ class DPSGD:
         self._not_waited: set[str] = set()
         self._scratch = np.empty(min(params.size, _MIX_CHUNK), dtype=params.dtype)
 
+    def wait_limit(self) -> float:
+        """How long this round may wait for a neighbour."""
+        if len(self._round_times) < RECENT_ROUNDS // 4:
+            return self.round_timeout
+        return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
+
     def average(self) -> RoundStats:
         """One gossip round: send, gather (bounded), mix."""
+        now = time.monotonic()
+        if self._last_start is not None:
+            self._round_times.append(now - self._last_start)
+        self._last_start = now
         r = self.round
         row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
@@ -105,7 +127,7 @@ class DPSGD:
     def _gather(self, r: int, row: MixingRow) -> dict[str, np.ndarray]:
         got = self._early.pop(r, {})
         waiting = set(row.receive_from) - got.keys() - self._not_waited
-        deadline = time.monotonic() + self.round_timeout
+        deadline = time.monotonic() + self.wait_limit()
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -118,20 +140,21 @@ class DPSGD:
                 waiting -= got.keys()
         while (message := self.peer.recv(0, KINDS)) is not None:  # whatever else is already here
             self._file(message, r, got)
+        for silent in waiting - self._not_waited:
+            self.peer.missed(silent)  # the membership probes it now rather than in its turn
         self._not_waited |= waiting
         return {j: got[j] for j in row.receive_from if j in got}
 
     def _file(self, message: Envelope, r: int, got: dict[str, np.ndarray]) -> None:
         """Keep a neighbour's parameters for their round, or count why not."""
-        reason = self._problem(message)
-        if reason is None and message.round < r:
-            reason = "stale"
-        if reason is None and message.round > r + self._max_ahead:
-            reason = "too_far_ahead"
-        if reason is not None:
-            self.rejected[reason] += 1
+        problem = self._problem(message)
+        if problem is not None:
+            self.rejected[problem] += 1
             return
-        self._not_waited.discard(message.sender)
+        self._not_waited.discard(message.sender)  # it is alive: wait for it again
+        if message.round < r or message.round > r + self._max_ahead:
+            self.dropped["stale" if message.round < r else "too_far_ahead"] += 1
+            return
         (got if message.round == r else self._early[message.round])[message.sender] = message.tensors[0]
 
     def _problem(self, message: Envelope) -> str | None:

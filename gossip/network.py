@@ -23,6 +23,8 @@ class Envelope(Protocol):
     def round(self) -> int: ...
     @property
     def tensors(self) -> Sequence[np.ndarray]: ...
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
 
 
 class PeerNetwork(Protocol):
@@ -45,6 +47,14 @@ class PeerNetwork(Protocol):
         meta: Mapping[str, Any] | None = None,
     ) -> None:
         """Queue a message without blocking; tensors must stay unmodified afterwards."""
+        ...
+
+    def missed(self, node_id: str) -> None:
+        """A hint from the algorithm: ``node_id`` sent nothing when it was expected to."""
+        ...
+
+    def start_at_round(self, first_round: int) -> None:
+        """Tell the mesh this (late-joining) node takes part in rounds >= ``first_round``."""
         ...
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:

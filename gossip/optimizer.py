@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+import numpy as np
 import torch
 
 from gossip.dpsgd import DPSGD, RoundStats
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
+from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
 ALGORITHMS = ("dpsgd",)
+JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
 
 
 class GossipOptimizer:
@@ -50,12 +55,13 @@ class GossipOptimizer:
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
         self.optimizer = optimizer
+        self.peer = peer
         self.average_every = average_every
         self.local_steps = 0
         self.last_round: RoundStats | None = None
         self._lock = lock if lock is not None else contextlib.nullcontext()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.flat = FlatParameters(params)
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.flat = FlatParameters(self._params)
         self.averager = DPSGD(
             peer,
             self.flat.array,
@@ -63,8 +69,12 @@ class GossipOptimizer:
             round_timeout=round_timeout,
             lock=lock,
         )
+        self._rounds_at_start = 0
+        self._started: float | None = None
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        if self._started is None:
+            self._started = time.monotonic()
         with self._lock:
             loss = self.optimizer.step(closure)
         self.local_steps += 1
@@ -74,3 +84,84 @@ class GossipOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def rounds_per_s(self) -> float:
+        """This node's gossip rate so far (0 before its first round)."""
+        if self._started is None:
+            return 0.0
+        return (self.averager.round - self._rounds_at_start) / max(time.monotonic() - self._started, 1e-6)
+
+    # -- joining a running mesh ---------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """The training state a newcomer needs: parameters, optimizer buffers, counters."""
+        with self._lock:
+            tensors = {"params": self.flat.array.copy(), **self._optimizer_buffers()}
+        counters = {
+            "local_steps": self.local_steps,
+            "round": self.averager.round,
+            "rounds_per_s": round(self.rounds_per_s, 3),
+        }
+        return Snapshot(tensors, counters)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Load a snapshot from another node (validated against this model first)."""
+        reference = self.flat.array
+        if "params" not in snapshot.tensors:
+            raise StateTransferError("the snapshot has no parameters")
+        for name, array in snapshot.tensors.items():
+            if name != "params" and not name.startswith("optimizer."):
+                raise StateTransferError(f"unknown snapshot tensor {name!r}")
+            if array.shape != reference.shape or array.dtype != reference.dtype:
+                raise StateTransferError(
+                    f"snapshot {name} is {array.dtype}{list(array.shape)}; this model needs "
+                    f"{reference.dtype}{list(reference.shape)}"
+                )
+        with self._lock:
+            np.copyto(reference, snapshot.tensors["params"])
+            for name, array in snapshot.tensors.items():
+                if name.startswith("optimizer."):
+                    self._load_optimizer_buffer(name.removeprefix("optimizer."), array)
+        self.local_steps = int(snapshot.counters.get("local_steps", 0))
+
+    def serve_state(self) -> int:
+        """Answer newcomers' state requests waiting in the inbox; never blocks."""
+        return serve_requests(self.peer, self.snapshot)
+
+    def join_from(self, source: str, *, timeout: float) -> int:
+        """Take ``source``'s state, start a few rounds ahead of it (time for the mesh to hear),
+        announce that round and return it."""
+        max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
+        snapshot = fetch_snapshot(self.peer, source, timeout=timeout, max_bytes=max_bytes)
+        self.restore(snapshot)
+        lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
+        first_round = int(snapshot.counters.get("round", 0)) + lead
+        self.averager.round = self._rounds_at_start = first_round
+        self.peer.start_at_round(first_round)
+        return first_round
+
+    def _optimizer_buffers(self) -> dict[str, np.ndarray]:
+        """Per-parameter optimizer tensors (momentum, Adam's moments...) as flat arrays."""
+        buffers: dict[str, np.ndarray] = {}
+        keys = {k for p in self._params for k, v in self.optimizer.state.get(p, {}).items() if _like(v, p)}
+        for key in sorted(keys):
+            parts = [
+                self.optimizer.state[p][key].detach().reshape(-1).cpu().numpy()
+                if key in self.optimizer.state.get(p, {})
+                else np.zeros(p.numel(), dtype=self.flat.array.dtype)
+                for p in self._params
+            ]
+            buffers[f"optimizer.{key}"] = np.concatenate(parts)
+        return buffers
+
+    def _load_optimizer_buffer(self, key: str, flat: np.ndarray) -> None:
+        offset = 0
+        for param in self._params:
+            part = torch.from_numpy(flat[offset : offset + param.numel()].copy()).view_as(param)
+            self.optimizer.state[param][key] = part.to(param.device)
+            offset += param.numel()
+
+
+def _like(value: object, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == param.shape

@@ -53,13 +53,14 @@ def check_node_id(node_id: str) -> str:
     return node_id
 
 
-def resolve(endpoint: str) -> str:
-    """``endpoint`` with its host resolved to a numeric IPv4 address (how peers advertise)."""
+def resolve_all(endpoint: str) -> list[str]:
+    """Every numeric address ``endpoint``'s host resolves to (a DNS name such as a Kubernetes
+    headless Service may stand for many nodes), in the form peers advertise."""
     host, port = split_endpoint(endpoint)
     if host.startswith("["):
-        return f"tcp://{host}:{port}"
+        return [f"tcp://{host}:{port}"]
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise AddressError(f"cannot resolve {host!r} in {endpoint}: {exc.strerror}") from None
-    return f"tcp://{infos[0][4][0]}:{port}"
+    return sorted({f"tcp://{info[4][0]}:{port}" for info in infos})

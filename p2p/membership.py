@@ -1,124 +1,459 @@
-"""Static membership: the members are this node and every bootstrap peer that said hello.
+"""Serverless membership: discovery, SWIM failure detection, graceful leave, a round-aware view.
 
-Runs on the network thread as a transport service. Each node says ``hello`` (its id, the address
-to dial it at, and the ids it has heard from) to every bootstrap address until each of them has
-answered and knows it; then the node is *ready*, and keeps a slow heartbeat.
+Runs on the network thread as a transport service; no node is special.
 
-A ``leave`` names the last round its sender took part in. The view answers "who is a member in
-round r": a node that left after round R is still one for rounds up to R (it sent its messages
-for them) and is gone from R + 1, so nodes that learn of the leave at slightly different times
-still agree on every round's graph. Serverless discovery and failure detection replace this
-service in a later step; the view it offers (``members``) stays the same.
+- Join: a node sends its member table (``sync``) to its bootstrap addresses (any live members;
+  a DNS name counts for every address it resolves to, re-resolved until the node has joined)
+  and merges the table that comes back. With no bootstrap it is a mesh of one, waiting.
+- Dissemination: every change is re-gossiped a few times (piggybacked on probes, and to a few
+  random members every ``gossip_interval_s``); every ``push_pull_interval_s`` a node swaps its
+  whole table with a random member (anti-entropy).
+- Failure detection (SWIM, with memberlist's timings): every ``probe_interval_s`` a node pings
+  one member (first, any the application saw fall silent: ``probe_soon``); with no ack within
+  ``probe_timeout_s`` it asks ``indirect_probes`` others to ping it; with no ack by half the
+  interval the member is suspected, and told so directly. A suspect that does not refute (by
+  raising its incarnation) within ``suspicion_mult * max(1, log10 n)`` intervals is declared
+  dead. All timers use the monotonic clock.
+- Leave: the node tells every member at once, naming the last gossip round it took part in.
+
+The view (``members(round)``) is round-aware so that nodes that learn of a change at slightly
+different times still agree on each round's graph: a member that left after round R counts for
+rounds up to R, and a late joiner counts from the round it announced. A dead member is gone at
+once: a crash announces nothing.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import math
+import random
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
 
-from p2p.address import AddressError, parse_endpoint, resolve
+from p2p.address import AddressError, parse_endpoint, resolve_all
+from p2p.member_table import Change, Member, MemberTable, Status, new_session, refuted
 from p2p.transport import Transport
 from p2p.wire import Message
 
-HELLO_INTERVAL_S = 0.2
-CONNECT_GRACE_S = 0.02  # a new connection drops what is sent before it is up: dial, then speak
-HEARTBEAT_INTERVAL_S = 1.0
+log = logging.getLogger(__name__)
+
+NOT_YET = 2**62  # the first round of a member that has not started taking part
+CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: dial, then speak
+MAX_UPDATES_PER_MESSAGE = 16
 
 
-class StaticMembership:
-    """The membership view of one node; mutated only on the network thread."""
+@dataclass(frozen=True)
+class DetectorProfile:
+    """Failure-detector settings (memberlist's local / LAN / WAN profiles are the anchors)."""
 
-    kinds = frozenset({"hello", "leave"})
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 0.2
+    suspicion_mult: float = 3.0
+    indirect_probes: int = 3
+    gossip_interval_s: float = 0.1
+    gossip_fanout: int = 3
+    retransmit_mult: int = 4
+    push_pull_interval_s: float = 10.0
+    join_retry_s: float = 0.5
+    tombstone_s: float = 60.0
 
-    def __init__(self, transport: Transport, bootstrap: Iterable[str]) -> None:
+    def suspicion_timeout_s(self, members: int) -> float:
+        return self.suspicion_mult * max(1.0, math.log10(max(members, 1))) * self.probe_interval_s
+
+    def transmissions(self, members: int) -> int:
+        """How many times each change is re-gossiped: enough to reach everyone w.h.p."""
+        return self.retransmit_mult * math.ceil(math.log10(members + 1))
+
+
+PROFILES = {
+    "local": DetectorProfile(),
+    "lan": DetectorProfile(
+        probe_timeout_s=0.5, suspicion_mult=4, gossip_interval_s=0.2, push_pull_interval_s=30
+    ),
+    "wan": DetectorProfile(
+        probe_interval_s=5.0,
+        probe_timeout_s=3.0,
+        suspicion_mult=6,
+        gossip_interval_s=0.5,
+        push_pull_interval_s=60,
+    ),
+}
+
+
+@dataclass
+class _Probe:
+    target: str
+    probe_id: int
+    direct_deadline: float
+    final_deadline: float
+    indirect_sent: bool = False
+
+
+class Membership:
+    """One node's membership protocol and view.
+
+    Args:
+        transport: the node's transport (this service runs on its network thread).
+        bootstrap: addresses of live members to join through (DNS names may stand for many).
+        profile: failure-detector timings.
+        clock: the report clock that membership events are stamped with.
+        first_round: the first gossip round this node takes part in: 0 when it starts with the
+            mesh; ``NOT_YET`` for a late joiner until it announces one (``start_at_round``).
+    """
+
+    kinds = frozenset({"ping", "ack", "ping_req", "gossip", "sync", "sync_reply"})
+
+    def __init__(
+        self,
+        transport: Transport,
+        bootstrap: Iterable[str] = (),
+        *,
+        profile: DetectorProfile = PROFILES["local"],
+        clock: Callable[[], float] = time.monotonic,
+        first_round: int = 0,
+    ) -> None:
+        self.profile = profile
+        self.events: list[dict[str, Any]] = []  # {"t", "observer", "node", "event"}
+        self.joined = threading.Event()
         self._transport = transport
-        self._bootstrap = {resolve(address) for address in bootstrap}
-        self._addresses: dict[str, str] = {}  # peer id -> address to dial it at
-        self._knows_me: set[str] = set()
-        self._departed: dict[str, tuple[int, int]] = {}  # peer id -> (session, last round)
-        self._members: frozenset[str] = frozenset({transport.node_id})
-        self._lingering: tuple[tuple[str, int], ...] = ()  # (departed id, last round) snapshot
-        self._dialed = False
-        self.ready = threading.Event()
+        self._bootstrap = list(bootstrap)
+        self._clock = clock
+        self._table = MemberTable()
+        self._me = Member(transport.node_id, "tcp://0.0.0.0:0", new_session(), 0, Status.ALIVE, first_round)
+        self._view: tuple[Member, ...] = ()
+        self._rng = random.Random()
+        self._probe: _Probe | None = None
+        self._probe_order: list[str] = []
+        self._probe_ids = itertools.count(self._rng.randrange(1, 2**62))
+        self._forwards: dict[int, tuple[str, int, float]] = {}  # my probe -> requester, its probe, expiry
+        self._suspicions: dict[str, float] = {}  # member id -> when it is declared dead
+        self._broadcasts: dict[str, tuple[Member, int]] = {}  # member id -> news, transmissions left
+        self._eligible_at: dict[str, float] = {}  # new members are probed once their connection is up
+        self._hurried: dict[str, float] = {}  # member -> until when it cannot be hurried again
+        self._started = False
+        self._dialed: dict[str, float] = {}  # address -> when its connection can be used
+        self._later: list[tuple[float, str, str, dict[str, Any]]] = []  # sends waiting for a dial
+        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "join": 0.0}
+        self.join_error = ""
 
     # -- any thread --------------------------------------------------------------------------
 
     def members(self, round: int | None = None) -> frozenset[str]:
-        """Member ids (this node included) now, or in ``round``: those that left after it count."""
+        """Member ids, this node included: now, or in gossip ``round``."""
+        view = self._view
         if round is None:
-            return self._members
-        return self._members | {node for node, last in self._lingering if round <= last}
+            return frozenset(m.id for m in view if m.status.live)
+        return frozenset(
+            m.id
+            for m in view
+            if m.first_round <= round
+            and (m.status.live or (m.status == Status.LEFT and round <= m.last_round))
+        )
 
     def address_of(self, node_id: str) -> str | None:
-        return self._addresses.get(node_id)
-
-    def missing(self) -> list[str]:
-        """Bootstrap addresses not yet answered by a peer that knows this node."""
-        claimed = {self._addresses[i] for i in self._knows_me if i in self._addresses}
-        return sorted(self._bootstrap - claimed - {self._transport.address})
+        for member in self._view:
+            if member.id == node_id and member.status.live:
+                return member.address
+        return None
 
     def leave(self, after_round: int = -1) -> None:
-        """Tell every member this node takes part in no round after ``after_round`` (-1: none)."""
-        self._transport.call_soon(lambda: self._send_leave(after_round))
+        """Tell every member this node takes part in no gossip round after ``after_round``."""
+        self._transport.call_soon(lambda: self._say_me(status=Status.LEFT, last_round=after_round))
 
-    # -- network thread ----------------------------------------------------------------------
+    def start_at_round(self, first_round: int) -> None:
+        """Announce that this node (a late joiner) takes part in gossip rounds >= first_round."""
+        self._transport.call_soon(lambda: self._say_me(first_round=first_round))
+
+    def probe_soon(self, node_id: str) -> None:
+        """Probe ``node_id`` next (the application saw it fall silent); at most once per
+        interval per member, so hints cannot flood the network."""
+        self._transport.call_soon(lambda: self._hurry(node_id))
+
+    # -- network thread: the service interface ------------------------------------------------
 
     def on_message(self, message: Message) -> None:
-        if message.kind == "leave":
-            last_round = message.meta.get("after_round", -1)
-            self._departed[message.sender] = (message.session, last_round if type(last_round) is int else -1)
-            self._addresses.pop(message.sender, None)
-            self._knows_me.discard(message.sender)
-        elif self._departed.get(message.sender, (None,))[0] != message.session:
-            self._on_hello(message)
-        self._update()
+        meta = message.meta
+        self._merge(meta.get("updates"))
+        if message.kind == "ping":
+            self._reply(meta, "ack", {"probe": meta.get("probe"), "updates": self._piggyback()})
+        elif message.kind == "ack":
+            self._on_ack(meta.get("probe"))
+        elif message.kind == "ping_req":
+            self._on_ping_request(meta)
+        elif message.kind == "sync":
+            self._reply(meta, "sync_reply", {"updates": self._everything()})
 
     def on_tick(self, now: float) -> float:
-        if not self._dialed:
-            for address in self._bootstrap - {self._transport.address}:
-                self._transport.connect(address)
-            self._dialed = True
-            return now + CONNECT_GRACE_S
-        self._update()
-        self._say_hello()
-        settled = self.ready.is_set() and self._knows_me >= self._addresses.keys()
-        return now + (HEARTBEAT_INTERVAL_S if settled else HELLO_INTERVAL_S)
+        if not self._started:
+            self._start(now)
+        self._send_due(now)
+        joining = not self._table.live() and bool(self._bootstrap)
+        if joining and now >= self._next["join"]:
+            self._join(now)
+        if self._me.status == Status.LEFT:
+            return now + 1.0
+        self._check_probe(now)
+        if now >= self._next["probe"]:
+            self._start_probe(now)
+            self._next["probe"] = now + self.profile.probe_interval_s
+        self._declare_dead(now)
+        if now >= self._next["gossip"]:
+            self._gossip()
+            self._next["gossip"] = now + self.profile.gossip_interval_s
+        if now >= self._next["push_pull"]:
+            self._push_pull()
+            self._next["push_pull"] = now + self.profile.push_pull_interval_s
+        self._expire(now)
+        timers = [self._next["probe"], self._next["gossip"], self._next["push_pull"], now + 1.0]
+        if joining:
+            timers.append(self._next["join"])
+        wake = [*timers, *self._suspicions.values(), *(t for t, *_ in self._later)]
+        if self._probe is not None:
+            wake.append(
+                self._probe.final_deadline if self._probe.indirect_sent else self._probe.direct_deadline
+            )
+        return min(wake)
 
-    def _on_hello(self, message: Message) -> None:
-        try:
-            address = parse_endpoint(str(message.meta.get("address", "")))
-        except AddressError:
-            self._transport.stats.rejected["bad_hello"] += 1
+    # -- joining ------------------------------------------------------------------------------
+
+    def _start(self, now: float) -> None:
+        self._started = True
+        self._me = replace(self._me, address=self._transport.address)
+        if not self._bootstrap:
+            self.joined.set()  # a mesh of one, until someone joins it
+        self._publish()
+
+    def _join(self, now: float) -> None:
+        """Send our table to every bootstrap address; the first answer makes us a member."""
+        addresses: set[str] = set()
+        for name in self._bootstrap:
+            try:
+                addresses.update(resolve_all(name))
+            except AddressError as exc:
+                self.join_error = str(exc)  # DNS may not list the others yet: retry
+        for address in addresses - {self._transport.address}:
+            self._send(address, "sync", {"updates": self._everything()})
+        self._next["join"] = now + self.profile.join_retry_s
+
+    def _push_pull(self) -> None:
+        live = self._table.live()
+        if live:
+            self._send(self._rng.choice(live).address, "sync", {"updates": self._everything()})
+
+    # -- probing ------------------------------------------------------------------------------
+
+    def _start_probe(self, now: float) -> None:
+        target = self._next_target(now)
+        if target is None:
             return
-        knows = message.meta.get("knows", [])
-        first_contact = message.sender not in self._addresses
-        self._departed.pop(message.sender, None)
-        self._addresses[message.sender] = address
-        if isinstance(knows, list) and self._transport.node_id in knows:
-            self._knows_me.add(message.sender)
-        elif first_contact:
+        probe_id = next(self._probe_ids)
+        self._probe = _Probe(
+            target.id,
+            probe_id,
+            direct_deadline=now + self.profile.probe_timeout_s,
+            final_deadline=now + self.profile.probe_interval_s / 2,
+        )
+        self._send(target.address, "ping", {"probe": probe_id, "updates": self._piggyback()})
+
+    def _next_target(self, now: float) -> Member | None:
+        """Round-robin over the live members in a random order, reshuffled every pass."""
+        for _ in range(2):
+            while self._probe_order:
+                member = self._table.members.get(self._probe_order.pop())
+                if member is not None and member.status.live and self._eligible_at.get(member.id, 0) <= now:
+                    return member
+            self._probe_order = [m.id for m in self._table.live()]
+            self._rng.shuffle(self._probe_order)
+        return None
+
+    def _hurry(self, node_id: str) -> None:
+        now = time.monotonic()
+        member = self._table.members.get(node_id)
+        busy = self._probe is not None and self._probe.target == node_id
+        if member is None or member.status != Status.ALIVE or busy or self._hurried.get(node_id, 0.0) > now:
+            return
+        self._hurried[node_id] = now + self.profile.probe_interval_s
+        self._probe_order.append(node_id)  # popped next
+        if self._probe is None:
+            self._next["probe"] = now
+            self._transport.tick_within(0)
+
+    def _check_probe(self, now: float) -> None:
+        probe = self._probe
+        if probe is None:
+            return
+        target = self._table.members.get(probe.target)
+        if target is None or not target.status.live:
+            self._probe = None
+        elif not probe.indirect_sent and now >= probe.direct_deadline:
+            probe.indirect_sent = True
+            helpers = [m for m in self._table.live() if m.id != probe.target]
+            for helper in self._rng.sample(helpers, min(self.profile.indirect_probes, len(helpers))):
+                self._send(helper.address, "ping_req", {"probe": probe.probe_id, "target": target.address})
+        elif now >= probe.final_deadline:
+            self._probe = None
+            if target.status == Status.ALIVE:
+                self._note(replace(target, status=Status.SUSPECT), now)
+
+    def _on_ack(self, probe_id: Any) -> None:
+        if self._probe is not None and probe_id == self._probe.probe_id:
+            self._probe = None  # answered
+        elif isinstance(probe_id, int) and probe_id in self._forwards:
+            requester, their_probe, _ = self._forwards.pop(probe_id)
+            self._send(requester, "ack", {"probe": their_probe})
+
+    def _on_ping_request(self, meta: Any) -> None:
+        their_probe = meta.get("probe")
+        try:
+            target = parse_endpoint(str(meta.get("target")))
+            requester = parse_endpoint(str(meta.get("reply_to")))
+        except AddressError:
+            their_probe = None
+        if type(their_probe) is not int:
+            self._transport.stats.rejected["bad_membership"] += 1
+            return
+        probe_id = next(self._probe_ids)
+        self._forwards[probe_id] = (requester, their_probe, time.monotonic() + self.profile.probe_interval_s)
+        self._send(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
+
+    def _declare_dead(self, now: float) -> None:
+        for node_id, deadline in list(self._suspicions.items()):
+            member = self._table.members.get(node_id)
+            if member is None or member.status != Status.SUSPECT:
+                del self._suspicions[node_id]
+            elif now >= deadline:
+                del self._suspicions[node_id]
+                self._note(replace(member, status=Status.DEAD), now)
+
+    # -- news ---------------------------------------------------------------------------------
+
+    def _merge(self, updates: Any) -> None:
+        if not isinstance(updates, list):
+            return
+        now = time.monotonic()
+        for raw in updates:
+            try:
+                news = Member.from_wire(raw)
+            except ValueError:
+                self._transport.stats.rejected["bad_membership"] += 1
+                continue
+            if news.id == self._me.id:
+                answer = refuted(self._me, news)
+                if answer is not None:
+                    self._announce(answer)
+            else:
+                self._note(news, now)
+
+    def _note(self, news: Member, now: float) -> None:
+        """Apply news to the table; on a change, record it, act on it and pass it on."""
+        change = self._table.apply(news, now)
+        if change is None:
+            return
+        if change.event is not None:
+            self._record(change)
+        member = change.member
+        if change.event == "suspected":
+            timeout = self.profile.suspicion_timeout_s(len(self._table.live()) + 1)
+            self._suspicions.setdefault(member.id, now + timeout)
+        else:
+            self._suspicions.pop(member.id, None)
+        if change.event == "joined":
+            self._eligible_at[member.id] = now + CONNECT_GRACE_S
+            self.joined.set()
+            # swap tables with it: whoever learns of a member makes sure it learns of them
+            self._send(member.address, "sync", {"updates": self._everything()})
+        if change.event in ("suspected", "dead"):  # so it can refute, or rejoin, as soon as it can
+            self._send(member.address, "gossip", {"updates": [member.to_wire()]})
+        self._queue(member)
+        self._publish()
+
+    def _record(self, change: Change) -> None:
+        event = {"t": round(self._clock(), 3), "observer": self._me.id, "node": change.member.id}
+        self.events.append({**event, "event": str(change.event)})
+        log.info("%s: %s is %s", self._me.id, change.member.id, change.event)
+
+    def _say_me(self, **changes: Any) -> None:
+        self._announce(replace(self._me, incarnation=self._me.incarnation + 1, **changes))
+
+    def _announce(self, me: Member) -> None:
+        """Adopt a new record of ourselves and tell every member at once."""
+        self._me = me
+        self._publish()
+        for member in self._table.live():
+            self._send(member.address, "gossip", {"updates": [me.to_wire()]})
+        self._queue(me)
+
+    def _queue(self, member: Member) -> None:
+        self._broadcasts[member.id] = (member, self.profile.transmissions(len(self._table.live()) + 1))
+
+    def _piggyback(self) -> list[Any]:
+        """Up to MAX_UPDATES_PER_MESSAGE pending changes, least-sent first."""
+        chosen = sorted(self._broadcasts.items(), key=lambda item: -item[1][1])[:MAX_UPDATES_PER_MESSAGE]
+        for node_id, (member, left) in chosen:
+            if left <= 1:
+                del self._broadcasts[node_id]
+            else:
+                self._broadcasts[node_id] = (member, left - 1)
+        return [member.to_wire() for _, (member, _) in chosen]
+
+    def _gossip(self) -> None:
+        live = self._table.live()
+        if not self._broadcasts or not live:
+            return
+        for member in self._rng.sample(live, min(self.profile.gossip_fanout, len(live))):
+            self._send(member.address, "gossip", {"updates": self._piggyback()})
+
+    def _everything(self) -> list[Any]:
+        return [self._me.to_wire(), *(m.to_wire() for m in self._table.members.values())]
+
+    def _publish(self) -> None:
+        """Refresh the view other threads read, and wake anyone waiting on a round."""
+        self._view = (self._me, *self._table.members.values())
+        self._transport.notify()
+
+    def _expire(self, now: float) -> None:
+        for probe_id, (_, _, expiry) in list(self._forwards.items()):
+            if now > expiry:
+                del self._forwards[probe_id]
+        for member in self._table.forget_ended(now, self.profile.tombstone_s):
+            self._eligible_at.pop(member.id, None)
+            if member.address not in {m.address for m in self._table.live()}:
+                self._dialed.pop(member.address, None)
+                self._transport.disconnect(member.address)
+            self._publish()
+
+    def _dial(self, address: str, now: float) -> float:
+        """Connect to ``address`` if not done yet; returns when the connection can be used."""
+        if address not in self._dialed:
             self._transport.connect(address)
-            self._transport.tick_within(CONNECT_GRACE_S)  # answer soon: the sender waits for it
+            self._dialed[address] = now + CONNECT_GRACE_S
+        return self._dialed[address]
 
-    def _update(self) -> None:
-        members = frozenset({self._transport.node_id, *self._addresses})
-        lingering = tuple((node, last) for node, (_, last) in self._departed.items() if last >= 0)
-        if members != self._members or lingering != self._lingering:
-            self._members, self._lingering = members, lingering
-            self._transport.notify()
-        if not self.ready.is_set() and not self.missing():
-            self._say_hello()  # make sure every peer has heard that we know it
-            self.ready.set()
+    def _send(self, address: str, kind: str, meta: dict[str, Any]) -> None:
+        """Send now, or, to an address not dialed before, once its connection is up."""
+        now = time.monotonic()
+        ready_at = self._dial(address, now)
+        meta = {**meta, "reply_to": self._transport.address}
+        if now < ready_at:
+            self._later.append((ready_at, address, kind, meta))
+            self._transport.tick_within(ready_at - now)
+        else:
+            self._transport.send(address, kind, 0, meta=meta)
 
-    def _say_hello(self) -> None:
-        for address in self._bootstrap | set(self._addresses.values()):
-            if address != self._transport.address:
-                self._hello(address)
+    def _send_due(self, now: float) -> None:
+        due = [item for item in self._later if item[0] <= now]
+        self._later = [item for item in self._later if item[0] > now]
+        for _, address, kind, meta in due:
+            self._transport.send(address, kind, 0, meta=meta)
 
-    def _hello(self, address: str) -> None:
-        meta = {"address": self._transport.address, "knows": sorted(self._addresses)}
-        self._transport.send(address, "hello", 0, meta=meta)
-
-    def _send_leave(self, after_round: int) -> None:
-        for address in self._addresses.values():
-            self._transport.send(address, "leave", 0, meta={"after_round": after_round})
+    def _reply(self, meta: Any, kind: str, payload: dict[str, Any]) -> None:
+        try:
+            address = parse_endpoint(str(meta.get("reply_to")))
+        except AddressError:
+            self._transport.stats.rejected["bad_membership"] += 1
+            return
+        self._send(address, kind, payload)

@@ -26,11 +26,13 @@ class MemoryNetwork:
         self._peers: dict[str, MemoryPeer] = {}
         self._members: frozenset[str] = frozenset()
         self._last_rounds: dict[str, int] = {}  # departed id -> last round it took part in
+        self._first_rounds: dict[str, int] = {}  # late joiner -> first round it takes part in
         self._lock = threading.Lock()
 
-    def join(self, node_id: str) -> MemoryPeer:
+    def join(self, node_id: str, first_round: int = 0) -> MemoryPeer:
         peer = MemoryPeer(self, node_id)
         with self._lock:
+            self._first_rounds[node_id] = first_round
             self._peers[node_id] = peer
             self._members = frozenset(self._peers)
         self._wake_all()
@@ -43,10 +45,15 @@ class MemoryNetwork:
             self._last_rounds[node_id] = after_round
         self._wake_all()
 
+    def start_at_round(self, node_id: str, first_round: int) -> None:
+        self._first_rounds[node_id] = first_round
+        self._wake_all()
+
     def members(self, round: int | None = None) -> frozenset[str]:
         if round is None:
             return self._members
-        return self._members | {node for node, last in list(self._last_rounds.items()) if round <= last}
+        lingering = {node for node, last in list(self._last_rounds.items()) if round <= last}
+        return frozenset(m for m in self._members | lingering if self._first_rounds.get(m, 0) <= round)
 
     def deliver(self, to: str, message: Message) -> bool:
         peer = self._peers.get(to)
@@ -76,6 +83,12 @@ class MemoryPeer:
 
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.network.members(round)
+
+    def start_at_round(self, first_round: int) -> None:
+        self.network.start_at_round(self._node_id, first_round)
+
+    def missed(self, node_id: str) -> None:
+        """Membership here is exact: there is nothing to probe."""
 
     def send(
         self,

@@ -1,7 +1,7 @@
-"""A node's network endpoint: the transport plus its membership view.
+"""A node's network endpoint: the transport plus its membership.
 
 This is the object gossip algorithms talk to (``gossip.network.PeerNetwork``): peers are named by
-id, the membership view says who is live, and sends never block.
+id, the membership view says who is a member in each round, and sends never block.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from p2p.membership import StaticMembership
+from p2p.membership import PROFILES, DetectorProfile, Membership
 from p2p.transport import Transport, TransportError, TransportStats
 from p2p.wire import Limits, Message
 
 
 class Peer:
-    """Args are those of :class:`~p2p.transport.Transport`, plus ``bootstrap``: the addresses of
-    the other nodes to say hello to (this node's own address may be among them)."""
+    """Args are those of :class:`~p2p.transport.Transport`, plus ``bootstrap`` (addresses of live
+    members to join through; none: start a mesh of one) and those of
+    :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``)."""
 
     def __init__(
         self,
@@ -31,11 +32,17 @@ class Peer:
         inbox_kinds: Iterable[str] | None = None,
         limits: Limits = Limits(),
         linger_s: float = 1.0,
+        profile: DetectorProfile = PROFILES["local"],
+        clock: Callable[[], float] = time.monotonic,
+        first_round: int = 0,
     ) -> None:
         self.transport = Transport(
             node_id, listen, advertise=advertise, inbox_kinds=inbox_kinds, limits=limits, linger_s=linger_s
         )
-        self.membership = StaticMembership(self.transport, bootstrap)
+        self.bootstrap = list(bootstrap)
+        self.membership = Membership(
+            self.transport, self.bootstrap, profile=profile, clock=clock, first_round=first_round
+        )
         self.transport.add_service(self.membership)
         self._left = False
 
@@ -52,21 +59,21 @@ class Peer:
         return self.transport.stats
 
     def start(self) -> str:
-        """Bind and start networking; returns the address peers dial."""
+        """Bind and start networking (and joining); returns the address peers dial."""
         return self.transport.start()
 
-    def wait_ready(self, timeout: float, cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Block until every bootstrap peer has answered (or ``cancelled()``), else raise."""
+    def wait_ready(
+        self, timeout: float, *, expect: int = 1, cancelled: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Block until this node has joined a mesh (any mesh, with no bootstrap) of at least
+        ``expect`` members, or ``cancelled()``; raise TransportError after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while not self.membership.ready.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+        while not (self.membership.joined.is_set() and len(self.members()) >= expect):
             if cancelled():
                 return
             if time.monotonic() >= deadline:
-                missing = ", ".join(self.membership.missing())
-                raise TransportError(
-                    f"no answer within {timeout:g} s from {missing}; check that those nodes are "
-                    "running and reachable, or raise --startup-timeout"
-                )
+                raise TransportError(self._not_ready(timeout, expect))
+            self.membership.joined.wait(0.05)
 
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.membership.members(round)
@@ -88,6 +95,14 @@ class Peer:
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         return self.transport.recv(timeout, kinds)
 
+    def missed(self, node_id: str) -> None:
+        """``node_id`` sent nothing when expected: have the failure detector probe it now."""
+        self.membership.probe_soon(node_id)
+
+    def start_at_round(self, first_round: int) -> None:
+        """Announce the first gossip round this late joiner takes part in."""
+        self.membership.start_at_round(first_round)
+
     def leave(self, after_round: int = -1) -> None:
         """Tell every member this node takes part in no gossip round after ``after_round``."""
         if self.transport.address and not self._left:
@@ -98,3 +113,15 @@ class Peer:
         """Leave (if not done yet), then stop networking (bounded by the linger time)."""
         self.leave()
         self.transport.close()
+
+    def _not_ready(self, timeout: float, expect: int) -> str:
+        if not self.membership.joined.is_set():
+            reason = self.membership.join_error or "no member answered"
+            return (
+                f"could not join through {', '.join(self.bootstrap)} within {timeout:g} s ({reason}); "
+                "check that a node runs there and is reachable, or raise --startup-timeout"
+            )
+        return (
+            f"only {len(self.members())} of the {expect} expected members joined within {timeout:g} s; "
+            "start the others, lower --expect, or raise --startup-timeout"
+        )

@@ -277,6 +277,12 @@ class Transport:
         """Open the connection to ``address`` ahead of the first send (network thread only)."""
         self._dealer(address)
 
+    def disconnect(self, address: str) -> None:
+        """Close the connection to ``address``, dropping what is queued (network thread only)."""
+        dealer = self._dealers.pop(address, None)
+        if dealer is not None:
+            dealer.close(linger=0)
+
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
         dealer = self._dealers.get(address)
         if dealer is None:

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import topologies
 from gossip import ALGORITHMS
 from p2p.address import AddressError, check_node_id, parse_endpoint
+from p2p.membership import PROFILES
+from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_pause
 from tasks import TASKS, parse_dirichlet
 
 if sys.version_info >= (3, 11):
@@ -67,7 +69,12 @@ class TrainConfig:
     steps: int | None = _option(
         None, f"local steps to train (default {DEFAULT_STEPS})", parse=int, metavar="N"
     )
-    duration: float | None = _option(None, "seconds to train, instead of --steps", parse=float, metavar="S")
+    duration: float | None = _option(
+        None,
+        "train until this many seconds on the report clock (a mesh's start), instead of --steps",
+        parse=float,
+        metavar="S",
+    )
     lr: float = _option(0.05, "SGD learning rate", parse=float)
     momentum: float = _option(0.9, "SGD momentum", parse=float)
     batch_size: int = _option(32, "examples per local step", parse=int)
@@ -79,6 +86,7 @@ class TrainConfig:
     )
     startup_timeout: float = _option(60.0, "longest wait for the bootstrap peers, s", parse=float)
     eval_interval: float = _option(0.25, "seconds between timeline points", parse=float)
+    profile: str = _option("local", f"failure-detector timings: {', '.join(PROFILES)}")
 
     def __post_init__(self) -> None:
         _check(self.task in TASKS, "--task", f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
@@ -105,6 +113,11 @@ class TrainConfig:
         _check(_finite(self.compute_ms) >= 0, "--compute-ms", f"must be >= 0, got {self.compute_ms}")
         _check(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
         _check(self.average_every >= 1, "--average-every", f"must be >= 1, got {self.average_every}")
+        _check(
+            self.profile in PROFILES,
+            "--profile",
+            f"unknown profile {self.profile!r}; choose {', '.join(PROFILES)}",
+        )
 
     @property
     def step_budget(self) -> int | None:
@@ -131,6 +144,14 @@ class NodeConfig(TrainConfig):
         metavar="tcp://HOST:PORT",
     )
     id: str | None = _option(None, "node id (default: HOSTNAME-PORT)")
+    expect: int = _option(
+        0,
+        "wait for this many members (this one included), then all start at round 0; "
+        "0: join a running mesh, taking a member's training state",
+        parse=int,
+        metavar="N",
+    )
+
     report: Path | None = _option(None, "write the run report (JSON) here", parse=Path)
     save_params: Path | None = _option(None, "write the final flat parameters (.npy) here", parse=Path)
     slowdown: float = _option(1.0, "make every step this many times longer", parse=float)
@@ -157,6 +178,12 @@ class NodeConfig(TrainConfig):
                 raise ConfigError(f"--id: {exc}") from None
         _check(_finite(self.slowdown) >= 1, "--slowdown", f"must be >= 1, got {self.slowdown}")
         _check(self.threads >= 0, "--threads", f"must be >= 0, got {self.threads}")
+        _check(self.expect >= 0, "--expect", f"must be >= 0, got {self.expect}")
+        _check(
+            self.profile in PROFILES,
+            "--profile",
+            f"unknown profile {self.profile!r}; choose {', '.join(PROFILES)}",
+        )
         _check(self.progress in ("text", "json", "none"), "--progress", "choose text, json or none")
 
 
@@ -171,6 +198,15 @@ class MeshConfig(TrainConfig):
         repeat=True,
         metavar="RANK:FACTOR",
     )
+    kill: tuple[str, ...] = _option(
+        (), "RANK@SECONDS: kill -9 node RANK at that time on the mesh clock (repeatable)", repeat=True
+    )
+    join: tuple[str, ...] = _option(
+        (), "COUNT@SECONDS: start COUNT new nodes then, joining through a live one (repeatable)", repeat=True
+    )
+    pause: tuple[str, ...] = _option(
+        (), "RANK@SECONDS:DURATION: stop node RANK (SIGSTOP) for DURATION s (repeatable)", repeat=True
+    )
     report: Path | None = _option(None, "report path (default: RUN_DIR/report.json)", parse=Path)
     run_dir: Path | None = _option(
         None, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)", parse=Path
@@ -184,6 +220,23 @@ class MeshConfig(TrainConfig):
         except topologies.TopologyError as exc:
             raise ConfigError(f"--topology: {exc}") from None
         self.slowdown_by_rank()  # validates
+        self.chaos()
+
+    def chaos(self) -> list[ChaosAction]:
+        """The --kill / --pause / --join schedule, in time order (validated)."""
+        try:
+            actions = [
+                *(parse_kill(text) for text in self.kill),
+                *(parse_join(text) for text in self.join),
+                *(action for text in self.pause for action in parse_pause(text)),
+            ]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        total = self.nodes + sum(a.count for a in actions)
+        for action in actions:
+            flag = "--pause" if action.action == "resume" else f"--{action.action}"
+            _check(action.rank < total, flag, f"rank {action.rank} is not in 0..{total - 1}")
+        return sorted(actions)
 
     def slowdown_by_rank(self) -> dict[int, float]:
         factors: dict[int, float] = {}

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
+
+from runtime.report import json_safe
 
 COLUMNS = (
     ("node", "id", "{}"),
@@ -67,3 +71,15 @@ class LiveTable:
 def progress_line(row: Mapping[str, Any]) -> str:
     """One line for ``gossipmesh node``: step, loss, accuracy, bytes, peers."""
     return "  ".join(f"{title} {_cell(row, key, fmt)}" for title, key, fmt in COLUMNS[3:])
+
+
+def say(progress: str, text: str) -> None:
+    """A line for people, on stderr (unless ``--progress none``)."""
+    if progress != "none":
+        print(text, file=sys.stderr, flush=True)
+
+
+def emit(progress: str, event: Mapping[str, Any]) -> None:
+    """A machine-readable progress event on stdout (``--progress json``, read by the mesh)."""
+    if progress == "json":
+        print(json.dumps(json_safe(dict(event)), allow_nan=False), flush=True)

@@ -35,6 +35,8 @@ class NodeRecord:
     address: str
     status: str = "failed"
     t_first_step: float | None = None
+    t_joined: float | None = None  # set when the node joined a running mesh (mesh clock)
+    t_killed: float | None = None  # set when the mesh killed it
     steps: int = 0
     rounds: int = 0
     topology_fallback_rounds: int = 0  # rounds averaged on the fallback graph (see topologies)
@@ -54,12 +56,15 @@ def build_report(
     config: dict[str, Any],
     nodes: list[dict[str, Any]],
     consensus_distance: float | None,
+    membership_events: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    """The report; ``membership_events`` are ``{"t", "observer", "node", "event"}``, by time."""
     return {
         "wall_time_s": wall_time_s,
         "config": config,
         "nodes": nodes,
         "consensus_distance": consensus_distance,
+        "membership_events": sorted(membership_events, key=lambda e: (e["t"], e["observer"])),
     }
 
 

@@ -20,21 +20,19 @@ def addresses(count: int) -> list[str]:
 
 
 @contextmanager
-def started_peers(
-    ids: list[str], extra_bootstrap: Sequence[str] = (), ready: bool = True
-) -> Iterator[list[Peer]]:
-    """Real peers on 127.0.0.1, each bootstrapping from all the others."""
+def started_peers(ids: list[str], expect: int | None = None) -> Iterator[list[Peer]]:
+    """Real peers on 127.0.0.1 joining through the first one; waits until each sees ``expect``
+    members (default: all of them)."""
     listen = addresses(len(ids))
     peers = [
-        Peer(node_id, address, [*listen, *extra_bootstrap], inbox_kinds={"params"})
-        for node_id, address in zip(ids, listen, strict=True)
+        Peer(node_id, address, listen[:1] if i else [])
+        for i, (node_id, address) in enumerate(zip(ids, listen, strict=True))
     ]
     try:
         for peer in peers:
             peer.start()
-        if ready:
-            for peer in peers:
-                peer.wait_ready(20)
+        for peer in peers:
+            peer.wait_ready(20, expect=expect or len(ids))
         yield peers
     finally:
         for peer in peers:
@@ -81,7 +79,7 @@ def average_in_threads(
 
 def idle_peer(node_id: str, listen: str, bootstrap: list[str]) -> None:
     """A peer that joins and then only answers membership (run in a child process)."""
-    peer = Peer(node_id, listen, bootstrap, inbox_kinds={"params"})
+    peer = Peer(node_id, listen, bootstrap)
     peer.start()
     while True:
         time.sleep(1)

@@ -1,0 +1,168 @@
+"""The member table: what one node believes about every other, and how news is merged.
+
+A member is one life of a node: its id plus the ``session`` its process drew at start, so a
+restarted node is a new life and old news about the previous one cannot touch it. Within a
+life, SWIM's incarnation numbers order the news: only the member itself raises its
+incarnation (to refute a suspicion), ``suspect`` beats ``alive`` of the same incarnation,
+``alive`` needs a higher one to clear a suspicion or a false death, and ``left`` is final.
+Dead and departed lives stay as tombstones for a while, so stale gossip cannot resurrect them.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+from p2p.address import AddressError, check_node_id, parse_endpoint
+
+_U63 = 2**63 - 1
+
+
+class Status(enum.Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+
+    @property
+    def live(self) -> bool:
+        """Alive and suspected members are still members: they still train and average."""
+        return self in (Status.ALIVE, Status.SUSPECT)
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    address: str
+    session: int
+    incarnation: int
+    status: Status
+    first_round: int = 0  # a member of gossip rounds >= first_round (a late joiner's start)
+    last_round: int = -1  # once left: a member of rounds <= last_round (-1: of none)
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.id,
+            self.address,
+            self.session,
+            self.incarnation,
+            self.status.value,
+            self.first_round,
+            self.last_round,
+        ]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Member:
+        """Validate one update from the network; raises ValueError on anything malformed."""
+        if not isinstance(raw, list) or len(raw) != 7:
+            raise ValueError("a member update is a list of 7 fields")
+        node_id, address, session, incarnation, status, first_round, last_round = raw
+        if not isinstance(node_id, str) or not isinstance(address, str):
+            raise ValueError("member id and address must be strings")
+        try:
+            check_node_id(node_id)
+            address = parse_endpoint(address)
+        except AddressError as exc:
+            raise ValueError(str(exc)) from None
+        for value in (session, incarnation):
+            if type(value) is not int or not 0 <= value <= _U63:
+                raise ValueError("session and incarnation must be non-negative ints")
+        for value in (first_round, last_round):
+            if type(value) is not int or not -1 <= value <= _U63:
+                raise ValueError("rounds must be ints >= -1")
+        return cls(node_id, address, session, incarnation, Status(status), first_round, last_round)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A member whose record changed; ``event`` names a change of status, if there was one."""
+
+    member: Member
+    event: str | None  # joined | suspected | alive | dead | left | None (e.g. a new first round)
+
+
+class MemberTable:
+    """Every known life but this node's own; single-threaded (the network thread owns it)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, Member] = {}
+        self._ended: dict[tuple[str, int], float] = {}  # (id, session) of dead or left lives -> when
+
+    def apply(self, news: Member, now: float) -> Change | None:
+        """Merge one piece of news; returns the change it makes, if any."""
+        current = self.members.get(news.id)
+        if (news.id, news.session) in self._ended:
+            return None  # a life that already ended: nothing can bring it back
+        if current is not None and current.session != news.session:
+            if not news.status.live:
+                self._end(news, now)
+                return None
+            self._end(current, now)  # a new life (a restart) replaces the old one
+            current = None
+        if current is None:
+            if not news.status.live:
+                self._end(news, now)
+                return None
+            self.members[news.id] = news
+            return Change(news, "joined")
+        if not _supersedes(news, current):
+            return None
+        self.members[news.id] = news
+        if not news.status.live:
+            self._end(news, now)
+        if news.status == current.status:
+            return Change(news, None)
+        event = {Status.ALIVE: "alive", Status.SUSPECT: "suspected"}.get(news.status, news.status.value)
+        return Change(news, event)
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members.values() if m.status.live]
+
+    def forget_ended(self, now: float, after_s: float) -> list[Member]:
+        """Drop dead and left members (and their tombstones) older than ``after_s``."""
+        expired = {key for key, when in self._ended.items() if now - when > after_s}
+        for key in expired:
+            del self._ended[key]
+        gone = [m for m in self.members.values() if (m.id, m.session) in expired]
+        for member in gone:
+            del self.members[member.id]
+        return gone
+
+    def _end(self, member: Member, now: float) -> None:
+        self._ended.setdefault((member.id, member.session), now)
+
+
+def _supersedes(news: Member, current: Member) -> bool:
+    """SWIM's precedence within one life."""
+    if current.status == Status.LEFT:
+        return False
+    if news.status == Status.LEFT:
+        return True
+    if news.status == Status.DEAD:
+        return current.status != Status.DEAD and news.incarnation >= current.incarnation
+    if news.status == Status.SUSPECT:
+        if current.status == Status.ALIVE:
+            return news.incarnation >= current.incarnation
+        return news.incarnation > current.incarnation
+    return news.incarnation > current.incarnation  # alive
+
+
+def refuted(me: Member, news: Member) -> Member | None:
+    """This node's answer to news of its own suspicion or death in this life, else None.
+
+    A suspicion is refuted with a higher incarnation. A death cannot be (the life is a
+    tombstone everywhere): the node starts a new life, which the others see as a rejoin.
+    """
+    if news.session != me.session or news.status in (Status.ALIVE, Status.LEFT):
+        return None
+    if news.status == Status.DEAD:
+        return replace(me, session=new_session(), incarnation=0)
+    if news.incarnation < me.incarnation:
+        return None
+    return replace(me, incarnation=news.incarnation + 1)
+
+
+def new_session() -> int:
+    return secrets.randbits(63)

@@ -1,0 +1,137 @@
+"""The training loop of one node: local steps through the gossip optimizer, paced, recorded.
+
+A node that starts with the mesh trains from round 0. A late joiner first takes a live
+member's state (parameters, optimizer buffers, counters) and starts a few rounds ahead of it;
+every node answers such requests between its steps.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from gossip import GossipOptimizer
+from p2p import Peer
+from runtime.config import NodeConfig
+from runtime.console import emit, progress_line, say
+from runtime.pacing import StepPacer
+from runtime.recorder import Recorder
+from runtime.report import NodeRecord, TimelinePoint
+from tasks import Task, batches
+from topologies import member_order
+
+_LOSS_SMOOTHING = 0.9
+_TEXT_PROGRESS_EVERY_S = 1.0
+
+
+class Trainer:
+    """Runs one node's training and fills its record (steps, rounds, timeline, final model)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        task: Task,
+        model: torch.nn.Module,
+        peer: Peer,
+        record: NodeRecord,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.model = model
+        self.peer = peer
+        self.record = record
+        self.clock = clock
+        self.train_loss = math.nan
+        self.lock = threading.Lock()
+        self.optimizer = GossipOptimizer(
+            torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum),
+            peer=peer,
+            algorithm=config.algorithm,
+            topology=config.topology,
+            average_every=config.average_every,
+            round_timeout=config.round_timeout,
+            lock=self.lock,
+        )
+        self.recorder = Recorder(
+            evaluate=lambda: task.evaluate(model),
+            progress=self._progress,
+            lock=self.lock,
+            clock=clock,
+            interval=config.eval_interval,
+            on_point=self._show,
+        )
+        self._last_text = -math.inf
+
+    def join_running_mesh(self) -> None:
+        """Take the state of a live member (the first other one in member order)."""
+        source = next(m for m in member_order(self.peer.members()) if m != self.peer.node_id)
+        first_round = self.optimizer.join_from(source, timeout=self.config.startup_timeout)
+        self.record.steps = self.optimizer.local_steps
+        say(
+            self.config.progress,
+            f"{self.peer.node_id} took the state of {source}; trains from round {first_round}",
+        )
+
+    def run(self, stop: threading.Event) -> None:
+        config, record = self.config, self.record
+        members = len(self.peer.members())
+        shard = self.task.shard(record.rank, members, partition=config.partition, seed=config.seed)
+        pacer = StepPacer(config.compute_ms, config.slowdown)
+        budget = config.step_budget
+        deadline = config.duration if config.duration else math.inf  # on the report clock: a late
+        # joiner of a mesh stops when the others do
+        record.t_first_step = round(self.clock(), 3)
+        self.recorder.start()
+        try:
+            for inputs, targets in batches(shard, config.batch_size, seed=config.seed + record.rank):
+                if stop.is_set() or record.steps == budget or self.clock() >= deadline:
+                    break
+                started = time.monotonic()
+                loss = self.task.loss(self.model, inputs, targets)
+                self.optimizer.zero_grad()
+                loss.backward()
+                pacer.finish_step(started)
+                self.optimizer.step()
+                self.optimizer.serve_state()
+                record.steps += 1
+                self._smooth(loss.item())
+        finally:
+            self.peer.leave(after_round=self.optimizer.averager.round - 1)
+            final = self.recorder.stop()
+            record.timeline = self.recorder.timeline
+            record.final = {"loss": final.loss, "accuracy": final.accuracy}
+            record.rounds = self.optimizer.averager.round
+            record.topology_fallback_rounds = self.optimizer.averager.fallback_rounds
+            record.rejected_by_reason = dict(self.optimizer.averager.rejected)
+            record.dropped_by_reason = dict(self.optimizer.averager.dropped)
+
+    def _smooth(self, loss: float) -> None:
+        if math.isnan(self.train_loss):
+            self.train_loss = loss
+        else:
+            self.train_loss = _LOSS_SMOOTHING * self.train_loss + (1 - _LOSS_SMOOTHING) * loss
+
+    def _progress(self) -> tuple[int, int, float, int]:
+        stats = self.peer.stats
+        return self.record.steps, self.optimizer.averager.round, self.train_loss, stats.bytes_sent
+
+    def _show(self, point: TimelinePoint) -> None:
+        row = {
+            "id": self.record.id,
+            "rank": self.record.rank,
+            **asdict(point),
+            "bytes_received": self.peer.stats.bytes_received,
+            "peers": len(self.peer.members()) - 1,
+        }
+        if self.config.progress == "json":
+            emit(self.config.progress, {"event": "point", **row})
+        elif self.config.progress == "text" and point.t - self._last_text >= _TEXT_PROGRESS_EVERY_S:
+            self._last_text = point.t
+            print(f"[{point.t:7.2f}s] {progress_line(row)}", file=sys.stderr, flush=True)
