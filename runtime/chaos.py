@@ -1,6 +1,7 @@
 """Scheduled faults for a local mesh: kill, pause and join nodes at given times.
 
-Written the way users type them: ``--kill RANK@SECONDS``, ``--pause RANK@SECONDS:DURATION``,
+Written the way users type them: ``--kill RANK@SECONDS`` (kill -9), ``--leave RANK@SECONDS``
+(SIGTERM: a graceful leave), ``--pause RANK@SECONDS:DURATION`` (SIGSTOP, then SIGCONT) and
 ``--join COUNT@SECONDS``; times are on the mesh clock (seconds since the mesh started).
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, order=True)
 class ChaosAction:
     at: float
-    action: str  # kill | pause | resume | join
+    action: str  # kill | leave | pause | resume | join
     rank: int = -1  # the node acted on (kill, pause, resume)
     count: int = 0  # nodes started (join)
 
@@ -21,6 +22,11 @@ class ChaosAction:
 def parse_kill(text: str) -> ChaosAction:
     rank, at = _split(text, "@", "--kill", "RANK@SECONDS, e.g. 3@10")
     return ChaosAction(_seconds(at, "--kill", text), "kill", rank=_whole(rank, "--kill", text))
+
+
+def parse_leave(text: str) -> ChaosAction:
+    rank, at = _split(text, "@", "--leave", "RANK@SECONDS, e.g. 3@10")
+    return ChaosAction(_seconds(at, "--leave", text), "leave", rank=_whole(rank, "--leave", text))
 
 
 def parse_join(text: str) -> ChaosAction:

@@ -20,7 +20,7 @@ import topologies
 from gossip import ALGORITHMS
 from p2p.address import AddressError, check_node_id, parse_endpoint
 from p2p.membership import PROFILES
-from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_pause
+from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_leave, parse_pause
 from tasks import TASKS, parse_dirichlet
 
 if sys.version_info >= (3, 11):
@@ -201,6 +201,9 @@ class MeshConfig(TrainConfig):
     kill: tuple[str, ...] = _option(
         (), "RANK@SECONDS: kill -9 node RANK at that time on the mesh clock (repeatable)", repeat=True
     )
+    leave: tuple[str, ...] = _option(
+        (), "RANK@SECONDS: stop node RANK gracefully (SIGTERM) at that time (repeatable)", repeat=True
+    )
     join: tuple[str, ...] = _option(
         (), "COUNT@SECONDS: start COUNT new nodes then, joining through a live one (repeatable)", repeat=True
     )
@@ -227,6 +230,7 @@ class MeshConfig(TrainConfig):
         try:
             actions = [
                 *(parse_kill(text) for text in self.kill),
+                *(parse_leave(text) for text in self.leave),
                 *(parse_join(text) for text in self.join),
                 *(action for text in self.pause for action in parse_pause(text)),
             ]

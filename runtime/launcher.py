@@ -4,8 +4,9 @@ Each node runs the daemon's own entry point (``gossipmesh node ...``) with a fre
 compute thread and the shared report clock. The first node starts the mesh; the others join
 through its address alone and wait until all N are members (``--expect N``), then all train from
 round 0. The launcher reads the nodes' JSON progress lines into a live table, carries out the
-``--kill`` / ``--pause`` / ``--join`` schedule, stops every node on Ctrl-C or SIGTERM, and merges
-the nodes' reports into one (adding the consensus distance of the final models).
+fault schedule (``--kill``, ``--leave``, ``--pause``, ``--join``), stops every node on Ctrl-C or
+SIGTERM, and merges the nodes' reports into one (adding the consensus distance of the final
+models).
 
 Nodes are forked from the launcher after it has imported what every node needs, as PyTorch's
 DataLoader forks its workers: on a machine with few cores, N fresh interpreters each importing
@@ -92,7 +93,13 @@ class Mesh:
         node = self.nodes[action.rank] if action.rank < len(self.nodes) else None
         if node is None or node.poll() is not None:
             return
-        signum = {"kill": signal.SIGKILL, "pause": signal.SIGSTOP, "resume": signal.SIGCONT}[action.action]
+        signals = {
+            "kill": signal.SIGKILL,
+            "leave": signal.SIGTERM,
+            "pause": signal.SIGSTOP,
+            "resume": signal.SIGCONT,
+        }
+        signum = signals[action.action]
         if action.action == "kill":
             node.t_killed = t
         node.send_signal(signum)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Iterator
 from multiprocessing.context import SpawnContext
 
@@ -15,3 +16,9 @@ def spawn() -> Iterator[SpawnContext]:
     for child in multiprocessing.active_children():
         child.kill()
         child.join(5)
+
+
+@pytest.fixture
+def no_other_threads() -> None:
+    """A mesh forks its nodes from this process: no other thread may hold a lock then."""
+    assert threading.active_count() == 1, [t.name for t in threading.enumerate()]

@@ -1,0 +1,108 @@
+"""Real daemons (forked processes on 127.0.0.1) under the mesh's fault schedule.
+
+Each test reads like its scenario: start a mesh, kill / pause / stop / add nodes at given
+times, then check what every survivor saw and how training went, from the run report.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from node import main
+
+pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
+
+DETECTION_TARGET_S = 5.0
+ROUND_TIMEOUT_S = 2.0
+
+
+def run(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    assert main(["mesh", "--run-dir", str(tmp_path), "--compute-ms", "20", *argv]) == 0, (
+        tmp_path / "report.json"
+    ).read_text()[-2000:]
+    report: dict[str, Any] = json.loads((tmp_path / "report.json").read_text())
+    return report
+
+
+def nodes_by_id(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n["id"]: n for n in report["nodes"]}
+
+
+def events(report: dict[str, Any], event: str, node: str) -> list[dict[str, Any]]:
+    return [e for e in report["membership_events"] if e["event"] == event and e["node"] == node]
+
+
+def longest_stall(timeline: list[dict[str, Any]]) -> float:
+    """The longest time the node's gossip round did not advance (while it was training)."""
+    longest, since = 0.0, timeline[0]["t"]
+    for before, after in itertools.pairwise(timeline):
+        if after["round"] > before["round"]:
+            since = after["t"]
+        longest = max(longest, after["t"] - since)
+    return longest
+
+
+def accuracy_at(timeline: list[dict[str, Any]], t: float) -> float:
+    return float(next((p["accuracy"] for p in reversed(timeline) if p["t"] <= t), 0.0))
+
+
+def test_two_nodes_killed_mid_training(tmp_path: Path) -> None:
+    report = run(tmp_path, "--nodes", "8", "--duration", "14", "--kill", "2@5", "--kill", "6@5")
+    nodes = nodes_by_id(report)
+    survivors = [n for n in nodes if n not in ("node-2", "node-6")]
+    for victim in ("node-2", "node-6"):
+        assert nodes[victim]["status"] == "killed" and nodes[victim]["t_killed"] == pytest.approx(5, abs=0.2)
+        dead = {e["observer"]: e["t"] - nodes[victim]["t_killed"] for e in events(report, "dead", victim)}
+        assert set(dead) == set(survivors)  # every survivor declared it dead...
+        assert max(dead.values()) < DETECTION_TARGET_S, dead  # ...within the target
+    assert {e["node"] for e in report["membership_events"] if e["event"] == "dead"} == {"node-2", "node-6"}
+    for node in survivors:
+        assert nodes[node]["status"] == "finished"
+        assert nodes[node]["final"]["accuracy"] >= 0.93, (node, nodes[node]["final"])
+        assert longest_stall(nodes[node]["timeline"]) <= ROUND_TIMEOUT_S
+    assert report["consensus_distance"] < 0.05
+
+
+def test_a_node_joining_mid_run_starts_from_the_mesh_state(tmp_path: Path) -> None:
+    report = run(tmp_path, "--nodes", "5", "--duration", "16", "--join", "1@6")
+    nodes = nodes_by_id(report)
+    joiner = nodes["node-5"]
+    assert joiner["status"] == "finished" and joiner["t_joined"] is not None
+    assert 6 <= joiner["t_joined"] < 8
+    first = joiner["timeline"][0]
+    others = [nodes[f"node-{i}"]["timeline"] for i in range(5)]
+    # it trains from the mesh's model, not from scratch (a fresh model scores ~0.1)
+    assert first["accuracy"] >= min(accuracy_at(t, first["t"]) for t in others) - 0.05
+    within = joiner["t_joined"] + 10
+    assert accuracy_at(joiner["timeline"], within) >= min(accuracy_at(t, within) for t in others) - 0.01
+    assert {e["observer"] for e in events(report, "joined", "node-5")} == {f"node-{i}" for i in range(5)}
+    assert joiner["final"]["accuracy"] >= 0.93
+    assert report["consensus_distance"] < 0.05
+
+
+def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_path: Path) -> None:
+    report = run(tmp_path, "--nodes", "6", "--duration", "14", "--pause", "3@4:2.0", "--leave", "5@9")
+    nodes = nodes_by_id(report)
+    assert events(report, "suspected", "node-3")  # a 2 s pause is noticed...
+    assert events(report, "alive", "node-3")  # ...refuted when it resumes...
+    assert not events(report, "dead", "node-3")  # ...and never declared dead
+    assert nodes["node-3"]["status"] == "finished" and nodes["node-3"]["final"]["accuracy"] >= 0.93
+    left = {e["observer"]: e["t"] - 9.0 for e in events(report, "left", "node-5")}
+    assert set(left) == {f"node-{i}" for i in range(5)}
+    assert max(left.values()) < 1.0  # within one probe interval
+    assert nodes["node-5"]["status"] == "finished" and nodes["node-5"]["steps"] > 0
+
+
+@pytest.mark.slow
+def test_no_false_deaths_over_two_minutes_of_repeated_pauses(tmp_path: Path) -> None:
+    pauses = [arg for t in np.arange(5, 115, 5) for arg in ("--pause", f"3@{t:g}:0.8")]
+    report = run(tmp_path, "--nodes", "8", "--duration", "120", *pauses)
+    assert not [e for e in report["membership_events"] if e["event"] == "dead"]
+    assert all(n["status"] == "finished" for n in report["nodes"])
+    assert len([c for c in report["chaos_events"] if c["action"] == "pause"]) == 22
