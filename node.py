@@ -68,7 +68,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     model = task.model(config.seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     node_id = config.id or _default_id(config.listen)
-    joins_running_mesh = bool(config.bootstrap) and config.expect == 0
+    joins_running_mesh = bool(config.bootstrap or config.beacon) and config.expect == 0
     peer = Peer(
         node_id,
         config.listen,
@@ -78,6 +78,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         profile=PROFILES[config.profile],
         clock=clock,
         first_round=NOT_YET if joins_running_mesh else 0,
+        beacon_port=config.beacon,
+        mesh_name=config.mesh_name,
     )
     peer.start()
     record = NodeRecord(id=node_id, rank=-1, address=peer.address)

@@ -103,6 +103,8 @@ class Membership:
         clock: the report clock that membership events are stamped with.
         first_round: the first gossip round this node takes part in: 0 when it starts with the
             mesh; ``NOT_YET`` for a late joiner until it announces one (``start_at_round``).
+        solo: with no bootstrap, whether this node starts a mesh of one (False when it waits to
+            hear of others some other way, e.g. a LAN beacon).
     """
 
     kinds = frozenset({"ping", "ack", "ping_req", "gossip", "sync", "sync_reply"})
@@ -115,8 +117,10 @@ class Membership:
         profile: DetectorProfile = PROFILES["local"],
         clock: Callable[[], float] = time.monotonic,
         first_round: int = 0,
+        solo: bool = True,
     ) -> None:
         self.profile = profile
+        self._solo = solo
         self.events: list[dict[str, Any]] = []  # {"t", "observer", "node", "event"}
         self.joined = threading.Event()
         self._transport = transport
@@ -167,6 +171,17 @@ class Membership:
     def start_at_round(self, first_round: int) -> None:
         """Announce that this node (a late joiner) takes part in gossip rounds >= first_round."""
         self._transport.call_soon(lambda: self._say_me(first_round=first_round))
+
+    def alone(self) -> bool:
+        """No other live member known (network thread)."""
+        return not self._table.live()
+
+    def add_contact(self, node_id: str, address: str) -> None:
+        """A node heard of some other way (a beacon): swap tables with it unless it is known
+        (network thread). This joins lone nodes and merges meshes that started apart."""
+        known = self._table.members.get(node_id)
+        if known is None or not known.status.live or known.address != address:
+            self._send(address, "sync", {"updates": self._everything()})
 
     def probe_soon(self, node_id: str) -> None:
         """Probe ``node_id`` next (the application saw it fall silent); at most once per
@@ -223,7 +238,7 @@ class Membership:
     def _start(self, now: float) -> None:
         self._started = True
         self._me = replace(self._me, address=self._transport.address)
-        if not self._bootstrap:
+        if not self._bootstrap and self._solo:
             self.joined.set()  # a mesh of one, until someone joins it
         self._publish()
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from p2p.beacon import Beacon
 from p2p.membership import PROFILES, DetectorProfile, Membership
 from p2p.transport import Transport, TransportError, TransportStats
 from p2p.wire import Limits, Message
@@ -19,8 +20,9 @@ from p2p.wire import Limits, Message
 
 class Peer:
     """Args are those of :class:`~p2p.transport.Transport`, plus ``bootstrap`` (addresses of live
-    members to join through; none: start a mesh of one) and those of
-    :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``)."""
+    members to join through; none: start a mesh of one), those of
+    :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``), and
+    ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off)."""
 
     def __init__(
         self,
@@ -35,15 +37,34 @@ class Peer:
         profile: DetectorProfile = PROFILES["local"],
         clock: Callable[[], float] = time.monotonic,
         first_round: int = 0,
+        beacon_port: int = 0,
+        mesh_name: str = "gossipmesh",
     ) -> None:
         self.transport = Transport(
             node_id, listen, advertise=advertise, inbox_kinds=inbox_kinds, limits=limits, linger_s=linger_s
         )
         self.bootstrap = list(bootstrap)
         self.membership = Membership(
-            self.transport, self.bootstrap, profile=profile, clock=clock, first_round=first_round
+            self.transport,
+            self.bootstrap,
+            profile=profile,
+            clock=clock,
+            first_round=first_round,
+            solo=not beacon_port,
         )
         self.transport.add_service(self.membership)
+        self.beacon: Beacon | None = None
+        if beacon_port:
+            self.beacon = Beacon(
+                beacon_port,
+                mesh=mesh_name,
+                node_id=lambda: self.transport.node_id,
+                address=lambda: self.transport.address,
+                on_contact=self.membership.add_contact,
+                alone=self.membership.alone,
+            )
+            self.transport.add_service(self.beacon)
+            self.transport.add_reader(self.beacon.socket.fileno(), self.beacon.on_readable)
         self._left = False
 
     @property
@@ -113,12 +134,17 @@ class Peer:
         """Leave (if not done yet), then stop networking (bounded by the linger time)."""
         self.leave()
         self.transport.close()
+        if self.beacon is not None:
+            self.beacon.close()
 
     def _not_ready(self, timeout: float, expect: int) -> str:
         if not self.membership.joined.is_set():
             reason = self.membership.join_error or "no member answered"
+            where = (
+                ", ".join(self.bootstrap) or f"beacons on UDP port {self.beacon.port if self.beacon else 0}"
+            )
             return (
-                f"could not join through {', '.join(self.bootstrap)} within {timeout:g} s ({reason}); "
+                f"could not join through {where} within {timeout:g} s ({reason}); "
                 "check that a node runs there and is reachable, or raise --startup-timeout"
             )
         return (

@@ -111,6 +111,7 @@ class Transport:
         self._send_order = threading.Lock()
         self._services: dict[str, Service] = {}
         self._service_list: list[Service] = []
+        self._readers: dict[int, Callable[[], None]] = {}
         self._inbox = Inbox(inbox_size)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -134,6 +135,13 @@ class Transport:
         for kind in service.kinds:
             self._services[kind] = service
         self._service_list.append(service)
+
+    def add_reader(self, fd: int, on_readable: Callable[[], None]) -> None:
+        """Have the network thread call ``on_readable`` when ``fd`` (e.g. a UDP socket) has
+        data; call before :meth:`start`."""
+        if self._thread is not None:
+            raise RuntimeError("add readers before start()")
+        self._readers[fd] = on_readable
 
     def start(self, timeout: float = 10.0) -> str:
         """Bind and start the network thread; returns the advertised address."""
@@ -220,6 +228,8 @@ class Transport:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        for fd in self._readers:
+            poller.register(fd, zmq.POLLIN)
         self._started.set()
         try:
             while not self._stopping:
@@ -230,6 +240,9 @@ class Transport:
                     self._drain(router)
                 if self._wake_r in events:
                     self._drain_wakeups()
+                for fd, on_readable in self._readers.items():
+                    if fd in events:
+                        on_readable()
                 self._run_commands()
                 now = time.monotonic()
                 if now >= self._next_tick:

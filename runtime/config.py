@@ -144,6 +144,8 @@ class NodeConfig(TrainConfig):
         metavar="tcp://HOST:PORT",
     )
     id: str | None = _option(None, "node id (default: HOSTNAME-PORT)")
+    beacon: int = _option(0, "UDP port for LAN discovery beacons (0: off)", parse=int, metavar="PORT")
+    mesh_name: str = _option("gossipmesh", "mesh name in beacons: only nodes of the same name join")
     expect: int = _option(
         0,
         "wait for this many members (this one included), then all start at round 0; "
@@ -179,6 +181,7 @@ class NodeConfig(TrainConfig):
         _check(_finite(self.slowdown) >= 1, "--slowdown", f"must be >= 1, got {self.slowdown}")
         _check(self.threads >= 0, "--threads", f"must be >= 0, got {self.threads}")
         _check(self.expect >= 0, "--expect", f"must be >= 0, got {self.expect}")
+        _check(0 <= self.beacon <= 65535, "--beacon", f"must be a UDP port in 0..65535, got {self.beacon}")
         _check(
             self.profile in PROFILES,
             "--profile",
