@@ -423,7 +423,7 @@ class Membership:
             self._send(member.address, "gossip", {"updates": self._piggyback()})
 
     def _everything(self) -> list[Any]:
-        return [self._me.to_wire(), *(m.to_wire() for m in self._table.members.values())]
+        return [m.to_wire() for m in self._table.members.values()]
 
     def _publish(self) -> None:
         """Refresh the view other threads read, and wake anyone waiting on a round."""
@@ -449,10 +449,12 @@ class Membership:
         return self._dialed[address]
 
     def _send(self, address: str, kind: str, meta: dict[str, Any]) -> None:
-        """Send now, or, to an address not dialed before, once its connection is up."""
+        """Send now, or, to an address not dialed before, once its connection is up. Every
+        message carries our own record, so any contact makes us known to the receiver."""
         now = time.monotonic()
         ready_at = self._dial(address, now)
-        meta = {**meta, "reply_to": self._transport.address}
+        updates = [self._me.to_wire(), *meta.get("updates", [])]
+        meta = {**meta, "updates": updates, "reply_to": self._transport.address}
         if now < ready_at:
             self._later.append((ready_at, address, kind, meta))
             self._transport.tick_within(ready_at - now)

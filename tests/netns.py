@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 SUBNET = "10.77.0"
 
@@ -41,8 +42,9 @@ def unavailable() -> str | None:
 
 
 @contextmanager
-def lan(count: int) -> Iterator[list[Host]]:
-    """``count`` hosts on one bridged segment, removed afterwards."""
+def lan(count: int, hosts_file: str = "") -> Iterator[list[Host]]:
+    """``count`` hosts on one bridged segment, removed afterwards. ``hosts_file`` becomes each
+    host's /etc/hosts (``ip netns exec`` mounts /etc/netns/NAME/ over /etc/): a stand-in DNS."""
     tag = f"gm{os.getpid() % 100000}"
     switch = f"{tag}sw"
     hosts = [Host(f"{tag}h{i}", f"{SUBNET}.{i + 1}", f"{tag}p{i}") for i in range(count)]
@@ -59,10 +61,15 @@ def lan(count: int) -> Iterator[list[Host]]:
             _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "brd", "+", "dev", "eth0")
             _ip("-n", host.namespace, "link", "set", "eth0", "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
+            if hosts_file:
+                etc = Path("/etc/netns") / host.namespace
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(hosts_file)
         yield hosts
     finally:
         for namespace in [switch, *(h.namespace for h in hosts)]:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
 
 
 def _ip(*args: str) -> None:

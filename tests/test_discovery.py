@@ -1,5 +1,5 @@
-"""Zero-configuration discovery: daemons on separate hosts (network namespaces on one LAN)
-find each other by UDP beacon alone, with no bootstrap address."""
+"""Discovery across real hosts (network namespaces on one LAN): by UDP beacon alone, and by one
+DNS name that resolves to every node (as a Kubernetes headless Service does)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import netns
@@ -26,50 +27,59 @@ def test_beacons_of_other_meshes_and_garbage_are_ignored() -> None:
     assert parse_beacon(b"x" * 600, "m") is None
 
 
-@pytest.mark.mesh
-def test_three_hosts_find_each_other_by_beacon(tmp_path: Path) -> None:
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    with netns.lan(3) as hosts:
-        processes = [
-            subprocess.Popen(
-                host.command(
-                    [
-                        sys.executable,
-                        NODE_PY,
-                        "node",
-                        "--id",
-                        f"host-{i}",
-                        "--listen",
-                        f"tcp://{host.address}:7000",
-                        "--beacon",
-                        "7946",
-                        "--expect",
-                        "3",
-                        "--steps",
-                        "60",
-                        "--startup-timeout",
-                        "60",
-                        "--report",
-                        str(tmp_path / f"host-{i}.json"),
-                    ]
-                ),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i, host in enumerate(hosts)
-        ]
-        for process in processes:
-            _, err = process.communicate(timeout=180)
-            assert process.returncode == 0, err[-3000:]
-    reports = [json.loads((tmp_path / f"host-{i}.json").read_text()) for i in range(3)]
-    assert sorted(r["nodes"][0]["rank"] for r in reports) == [0, 1, 2]
+def run_hosts(hosts: list[netns.Host], tmp_path: Path, *flags: str) -> list[dict[str, Any]]:
+    """One daemon per host (ids host-I, port 7000, 3 expected, 60 steps); their reports."""
+    processes = []
+    for i, host in enumerate(hosts):
+        argv = [
+            sys.executable, NODE_PY, "node",
+            "--id", f"host-{i}",
+            "--listen", f"tcp://{host.address}:7000",
+            "--expect", str(len(hosts)),
+            "--steps", "60",
+            "--report", str(tmp_path / f"host-{i}.json"),
+            *flags,
+        ]  # fmt: skip
+        command = host.command(argv)
+        processes.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
+    errors = []
+    for process in processes:
+        _, err = process.communicate(timeout=180)
+        errors.append(err)
+    assert all(p.returncode == 0 for p in processes), "\n---\n".join(e[-1500:] for e in errors)
+    return [json.loads((tmp_path / f"host-{i}.json").read_text()) for i in range(len(hosts))]
+
+
+def check_mesh_of(reports: list[dict[str, Any]], hosts: list[netns.Host]) -> None:
+    assert sorted(r["nodes"][0]["rank"] for r in reports) == list(range(len(hosts)))
     for i, report in enumerate(reports):
         node = report["nodes"][0]
         assert node["status"] == "finished" and node["steps"] == 60
         assert node["address"] == f"tcp://{hosts[i].address}:7000"
         joined = {e["node"] for e in report["membership_events"] if e["event"] == "joined"}
-        assert joined == {f"host-{j}" for j in range(3)} - {f"host-{i}"}
+        assert joined == {f"host-{j}" for j in range(len(hosts))} - {f"host-{i}"}
         assert node["bytes_received"] > 60 * 4 * 9610  # it averaged with its ring neighbours
+
+
+@pytest.fixture
+def hosts_available() -> None:
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.mesh
+def test_three_hosts_find_each_other_by_beacon(tmp_path: Path, hosts_available: None) -> None:
+    with netns.lan(3) as hosts:
+        reports = run_hosts(hosts, tmp_path, "--beacon", "7946")
+    check_mesh_of(reports, hosts)
+
+
+@pytest.mark.mesh
+def test_one_dns_name_for_every_node_is_enough(tmp_path: Path, hosts_available: None) -> None:
+    names = "".join(f"{netns.SUBNET}.{i + 1} mesh.example\n" for i in range(3))
+    with netns.lan(3, hosts_file=f"127.0.0.1 localhost\n{names}") as hosts:
+        reports = run_hosts(hosts, tmp_path, "--bootstrap", "tcp://mesh.example:7000")
+    check_mesh_of(reports, hosts)
