@@ -46,7 +46,7 @@ from runtime.launcher import run_mesh
 from runtime.report import NodeRecord, build_report, write_json
 from runtime.trainer import Trainer
 from tasks import load_task
-from topologies import NAMES, Topology, TopologyError, analyze, member_order
+from topologies import NAMES, TopologyError, analyze, member_order
 
 
 def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
@@ -89,7 +89,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=stop.is_set)
         ordered = member_order(peer.members())
         record.rank = ordered.index(node_id)
-        Topology.parse(config.topology).graph(len(ordered))  # fail now if undefined for this mesh
+        config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
         trainer = Trainer(config, task, model, peer, record, clock)
         if joins_running_mesh and len(ordered) > 1 and not stop.is_set():

@@ -5,65 +5,44 @@ bounded time for the values of the nodes it receives from, and mixes
 ``x_i <- sum_j W_ij x_j`` over what arrived, with the weights renormalised so they still sum to
 one. With every message on time and a doubly-stochastic W the mean of all models is preserved
 exactly. The graph may be directed or change every round (``one-peer-exponential``,
-``random-matching``): each round's row comes from the topology.
+``random-matching``): each round's row comes from the topology, and from the membership of that
+round (``peer.members(round)``), so a node that left after round R is in the graph up to R.
 
-The wait is derived from measured round times, not guessed: ``WAIT_FACTOR`` times the median of
-the recent rounds (steps included), within ``[MIN_WAIT_S, round_timeout]``, so a crashed or
-paused neighbour stalls the others for a few typical rounds, not seconds. A neighbour that
-misses a round is not waited for again until any message of its arrives (an on-time one, or a
-late one from a neighbour that is behind and catching up), so a dead peer costs one wait, not one
-per round, until the membership drops it. Rows come from the
-membership of the round (``peer.members(round)``): a node that left after round R is part of the
-graph up to R and gone from R + 1 on every node, and it is not waited for past its last round.
+Stragglers: with ``backup=k`` a round proceeds as soon as k of its d neighbours' values are in
+(backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is
+mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
+rest left with the node itself (an old value says less about where the mesh is now).
+
+Waits come from measured round times (see ``Averager.wait_limit``). A neighbour that misses a
+round is not waited for again until any message of its arrives, so a dead peer costs one wait,
+not one per round, until the membership drops it; it is reported to the failure detector.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import statistics
 import time
-from collections import Counter, defaultdict, deque
-from collections.abc import Mapping
+from collections import defaultdict
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
+from gossip.averager import Averager, RoundStats
 from gossip.network import Envelope, PeerNetwork
-from topologies import MixingRow, Topology, mixing_row
+from gossip.vector import add_scaled
+from topologies import MixingRow, Topology
 
-WAIT_FACTOR = 10.0
-MIN_WAIT_S = 0.05
-RECENT_ROUNDS = 32
 KIND = "params"
-KINDS = (KIND,)
-log = logging.getLogger(__name__)
-_MIX_CHUNK = 1 << 20  # elements mixed per vector op: bounds the scratch memory
 
 
-@dataclass(frozen=True)
-class RoundStats:
-    round: int
-    expected: int  # values this node waited for
-    arrived: int
-    wait_s: float
-    topology: Topology  # the graph used this round (the fallback where the chosen one is undefined)
+class DPSGD(Averager):
+    """Args are those of :class:`~gossip.averager.Averager`, plus:
 
-
-class DPSGD:
-    """Averages ``params`` (a flat numpy view of the model) with the neighbours each round.
-
-    Args:
-        peer: the node's network (``p2p.Peer`` or a simulator).
-        params: the flat parameter buffer, modified in place by :meth:`average`.
-        topology: the graph (or schedule) to average on.
-        round_timeout: the longest a round ever waits for a neighbour, in seconds (the wait
-            before there is a history of rounds, and the cap of the adaptive wait).
-        lock: held while ``params`` is written, so readers (evaluation) see whole updates.
-        max_rounds_ahead: how far ahead of this node a neighbour's message may be and still
-            be kept for its round.
+    backup: proceed once this many neighbours' values are in (0: wait for all of them).
+    max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
     """
+
+    kinds: ClassVar[tuple[str, ...]] = (KIND,)
 
     def __init__(
         self,
@@ -71,120 +50,99 @@ class DPSGD:
         params: np.ndarray,
         *,
         topology: Topology,
-        round_timeout: float,
+        round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        max_staleness: int = 0,
+        backup: int = 0,
         max_rounds_ahead: int = 64,
     ) -> None:
-        self.peer = peer
-        self.params = params
-        self.topology = topology
-        self.round_timeout = round_timeout
-        self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
-        self._last_start: float | None = None
-        self.round = 0
-        self.rejected: Counter[str] = Counter()  # malformed: wrong kind, dtype, shape, NaN...
-        self.dropped: Counter[str] = Counter()  # well-formed but out of time: stale, too far ahead
-        self.fallback_rounds = 0
-        self._lock = lock if lock is not None else contextlib.nullcontext()
+        super().__init__(
+            peer,
+            params,
+            topology=topology,
+            round_timeout=round_timeout,
+            lock=lock,
+            max_staleness=max_staleness,
+        )
+        self.backup = backup
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, np.ndarray]] = defaultdict(dict)
+        self._recent: dict[str, tuple[int, np.ndarray]] = {}  # newest late value of each sender
         self._not_waited: set[str] = set()
-        self._scratch = np.empty(min(params.size, _MIX_CHUNK), dtype=params.dtype)
 
-    def wait_limit(self) -> float:
-        """How long this round may wait for a neighbour."""
-        if len(self._round_times) < RECENT_ROUNDS // 4:
-            return self.round_timeout
-        return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
+    def after_step(self) -> RoundStats:
+        return self.average()
 
     def average(self) -> RoundStats:
         """One gossip round: send, gather (bounded), mix."""
-        now = time.monotonic()
-        if self._last_start is not None:
-            self._round_times.append(now - self._last_start)
-        self._last_start = now
+        self._time_round()
         r = self.round
-        row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r)
+        row = self._row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
         for target in row.send_to:
             self.peer.send(target, KIND, r, [snapshot])
         started = time.monotonic()
-        arrived = self._gather(r, row)
+        values = self._gather(r, row)
         wait_s = time.monotonic() - started
-        with self._lock:
-            self._mix(snapshot, row, arrived)
+        with self.lock:
+            self._mix(snapshot, row, values)
         self.round += 1
-        if row.topology != self.topology and self.fallback_rounds == 0:
-            log.warning(
-                "%s is not defined for %d members: averaging on %s until it is",
-                self.topology,
-                len(self.peer.members(r)),
-                row.topology,
-            )
-        self.fallback_rounds += row.topology != self.topology
-        return RoundStats(r, len(row.receive_from), len(arrived), wait_s, row.topology)
+        return RoundStats(r, len(row.receive_from), len(values), wait_s, row.topology)
 
-    def _gather(self, r: int, row: MixingRow) -> dict[str, np.ndarray]:
+    def _gather(self, r: int, row: MixingRow) -> dict[str, tuple[np.ndarray, int]]:
+        """Neighbours' values for round r as (value, age in rounds)."""
         got = self._early.pop(r, {})
-        waiting = set(row.receive_from) - got.keys() - self._not_waited
+        neighbours = set(row.receive_from)
+        enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
+        waiting = neighbours - got.keys() - self._not_waited
         deadline = time.monotonic() + self.wait_limit()
-        while waiting:
+        timed_out = False
+        while waiting and len(neighbours & got.keys()) < enough:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                timed_out = True
                 break
-            message = self.peer.recv(remaining, KINDS)
+            message = self.peer.recv(remaining, self.kinds)
             if message is None:
                 waiting &= self.peer.members(r)  # a neighbour that left is not waited for
             else:
                 self._file(message, r, got)
                 waiting -= got.keys()
-        while (message := self.peer.recv(0, KINDS)) is not None:  # whatever else is already here
+        while (message := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
             self._file(message, r, got)
-        for silent in waiting - self._not_waited:
-            self.peer.missed(silent)  # the membership probes it now rather than in its turn
-        self._not_waited |= waiting
-        return {j: got[j] for j in row.receive_from if j in got}
+        if timed_out:
+            silent = neighbours - got.keys()
+            for node in silent - self._not_waited:
+                self.peer.missed(node)  # the failure detector probes it now rather than in its turn
+            self._not_waited |= silent
+        values = {j: (got[j], 0) for j in neighbours if j in got}
+        for j in neighbours - got.keys():
+            if j in self._recent and self._fresh(self._recent[j][0], r):
+                values[j] = (self._recent[j][1], r - self._recent[j][0])
+        return values
 
     def _file(self, message: Envelope, r: int, got: dict[str, np.ndarray]) -> None:
-        """Keep a neighbour's parameters for their round, or count why not."""
-        problem = self._problem(message)
-        if problem is not None:
-            self.rejected[problem] += 1
+        """Keep a neighbour's value for its round, or as its newest late value, or count why not."""
+        if not self._valid(message):
             return
-        self._not_waited.discard(message.sender)  # it is alive: wait for it again
-        if message.round < r or message.round > r + self._max_ahead:
-            self.dropped["stale" if message.round < r else "too_far_ahead"] += 1
-            return
-        (got if message.round == r else self._early[message.round])[message.sender] = message.tensors[0]
+        sender = message.sender
+        self._not_waited.discard(sender)  # it is alive: wait for it again
+        if message.round > r + self._max_ahead:
+            self.dropped["too_far_ahead"] += 1
+        elif message.round == r:
+            got[sender] = message.tensors[0]
+            self.staleness.add(0)
+        elif message.round > r:
+            self._early[message.round][sender] = message.tensors[0]
+        elif r - message.round > self.max_staleness:
+            self.dropped["stale"] += 1
+        elif message.round > self._recent.get(sender, (-1, None))[0]:
+            self._recent[sender] = (message.round, message.tensors[0])
 
-    def _problem(self, message: Envelope) -> str | None:
-        if message.kind != KIND:
-            return "unexpected_kind"
-        if len(message.tensors) != 1:
-            return "tensor_count"
-        tensor = message.tensors[0]
-        if tensor.dtype != self.params.dtype or tensor.shape != self.params.shape:
-            return "tensor_mismatch"
-        if not all_finite(tensor):
-            return "non_finite"
-        return None
-
-    def _mix(self, own: np.ndarray, row: MixingRow, arrived: Mapping[str, np.ndarray]) -> None:
-        row = row.renormalized(arrived)
-        np.multiply(own, row.self_weight, out=self.params)
-        for sender, theirs in arrived.items():
-            _add_scaled(self.params, theirs, row.receive_from[sender], self._scratch)
-
-
-def all_finite(array: np.ndarray) -> bool:
-    """True when no element is NaN or infinite (checked in chunks: no model-sized temporary)."""
-    flat = array.reshape(-1)
-    return all(bool(np.isfinite(flat[i : i + _MIX_CHUNK]).all()) for i in range(0, flat.size, _MIX_CHUNK))
-
-
-def _add_scaled(y: np.ndarray, x: np.ndarray, a: float, scratch: np.ndarray) -> None:
-    """y += a * x, chunk by chunk through ``scratch``."""
-    for i in range(0, y.size, scratch.size):
-        part = scratch[: min(scratch.size, y.size - i)]
-        np.multiply(x[i : i + part.size], a, out=part)
-        y[i : i + part.size] += part
+    def _mix(self, own: np.ndarray, row: MixingRow, values: dict[str, tuple[np.ndarray, int]]) -> None:
+        """Renormalise the row over the values that came, discount old ones, mix."""
+        total = row.self_weight + sum(row.receive_from[j] for j in values)
+        weights = {j: row.receive_from[j] / total / (1 + age) for j, (_, age) in values.items()}
+        np.multiply(own, 1.0 - sum(weights.values()), out=self.params)
+        for sender, (theirs, _) in values.items():
+            add_scaled(self.params, theirs, weights[sender], self._scratch)

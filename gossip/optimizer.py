@@ -11,13 +11,13 @@ from contextlib import AbstractContextManager
 import numpy as np
 import torch
 
-from gossip.dpsgd import DPSGD, RoundStats
+from gossip.algorithms import Algorithm
+from gossip.averager import RoundStats
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
 from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
-ALGORITHMS = ("dpsgd",)
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
 
 
@@ -30,9 +30,11 @@ class GossipOptimizer:
     Args:
         optimizer: the local optimizer; its parameters are moved into one flat buffer.
         peer: the node's network (``p2p.Peer``).
-        algorithm: the averaging algorithm, one of ``ALGORITHMS``.
+        algorithm: the averaging algorithm: a ``gossip.Algorithm`` or its spelling
+            (``"dpsgd"``, ``"sgp:overlap=1"``, ``"adpsgd"``...; see ``gossip.algorithms``).
         topology: the graph to average on: a ``topologies.Topology`` or its spelling
-            (``"ring"``, ``"random-regular:degree=4"``, ``"file:graph.json"``...).
+            (``"ring"``, ``"random-regular:degree=4"``, ``"file:graph.json"``...); None: the
+            algorithm's usual one (``one-peer-exponential`` for sgp, ``ring`` otherwise).
         average_every: local steps between gossip rounds.
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while parameters are written (local step and mixing), so another thread can
@@ -44,14 +46,13 @@ class GossipOptimizer:
         optimizer: torch.optim.Optimizer,
         *,
         peer: PeerNetwork,
-        algorithm: str = "dpsgd",
-        topology: Topology | str = "ring",
+        algorithm: Algorithm | str = "dpsgd",
+        topology: Topology | str | None = None,
         average_every: int = 1,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
     ) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        spec = algorithm if isinstance(algorithm, Algorithm) else Algorithm.parse(algorithm)
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
         self.optimizer = optimizer
@@ -62,12 +63,11 @@ class GossipOptimizer:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.flat = FlatParameters(self._params)
-        self.averager = DPSGD(
-            peer,
-            self.flat.array,
-            topology=topology if isinstance(topology, Topology) else Topology.parse(topology),
-            round_timeout=round_timeout,
-            lock=lock,
+        graph = (
+            topology if isinstance(topology, Topology) else Topology.parse(topology or spec.default_topology)
+        )
+        self.averager = spec.build(
+            peer, self.flat.array, topology=graph, round_timeout=round_timeout, lock=lock
         )
         self._rounds_at_start = 0
         self._started: float | None = None
@@ -79,8 +79,12 @@ class GossipOptimizer:
             loss = self.optimizer.step(closure)
         self.local_steps += 1
         if self.local_steps % self.average_every == 0:
-            self.last_round = self.averager.average()
+            self.last_round = self.averager.after_step()
         return loss
+
+    def close(self) -> None:
+        """Stop the algorithm's background work (call when training ends)."""
+        self.averager.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -137,7 +141,8 @@ class GossipOptimizer:
         self.restore(snapshot)
         lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
-        self.averager.round = self._rounds_at_start = first_round
+        self.averager.restart(first_round)
+        self._rounds_at_start = first_round
         self.peer.start_at_round(first_round)
         return first_round
 

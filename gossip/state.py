@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from gossip.dpsgd import all_finite
 from gossip.network import PeerNetwork
+from gossip.vector import all_finite
 
 STATE_VERSION = 1
 REQUEST = "state_request"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import topologies
-from gossip import ALGORITHMS
+from gossip import ALGORITHMS, Algorithm, AlgorithmError
 from p2p.address import AddressError, check_node_id, parse_endpoint
 from p2p.membership import PROFILES
 from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_leave, parse_pause
@@ -62,10 +62,14 @@ class TrainConfig:
 
     task: str = _option("digits", f"training task: {', '.join(TASKS)}")
     partition: str = _option("iid", "data split over nodes: iid or dirichlet:ALPHA (label skew)")
-    topology: str = _option(
-        "ring", f"averaging graph, NAME or NAME:key=value,...: {', '.join(topologies.NAMES)}"
+    topology: str | None = _option(
+        None,
+        "averaging graph, NAME or NAME:key=value,... (default: ring; one-peer-exponential for sgp): "
+        + ", ".join(topologies.NAMES),
     )
-    algorithm: str = _option("dpsgd", f"averaging algorithm: {', '.join(ALGORITHMS)}")
+    algorithm: str = _option(
+        "dpsgd", f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}"
+    )
     steps: int | None = _option(
         None, f"local steps to train (default {DEFAULT_STEPS})", parse=int, metavar="N"
     )
@@ -78,6 +82,9 @@ class TrainConfig:
     lr: float = _option(0.05, "SGD learning rate", parse=float)
     momentum: float = _option(0.9, "SGD momentum", parse=float)
     batch_size: int = _option(32, "examples per local step", parse=int)
+    reference_batch: int = _option(
+        32, "the batch size --lr is for: other batch sizes scale it in proportion", parse=int
+    )
     seed: int = _option(0, "seed for the model, data split and sampling", parse=int)
     average_every: int = _option(1, "local steps between gossip rounds", parse=int)
     round_timeout: float = _option(2.0, "longest wait for a neighbour in a round, s", parse=float)
@@ -91,14 +98,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.task in TASKS, "--task", f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
         try:
-            topologies.Topology.parse(self.topology)
+            usual_topology = Algorithm.parse(self.algorithm).default_topology
+        except AlgorithmError as exc:
+            raise ConfigError(f"--algorithm: {exc}") from None
+        try:
+            topologies.Topology.parse(self.topology or usual_topology)
         except topologies.TopologyError as exc:
             raise ConfigError(f"--topology: {exc}") from None
-        _check(
-            self.algorithm in ALGORITHMS,
-            "--algorithm",
-            f"unknown algorithm {self.algorithm!r}; choose {', '.join(ALGORITHMS)}",
-        )
         if self.partition != "iid":
             try:
                 parse_dirichlet(self.partition)
@@ -112,12 +118,18 @@ class TrainConfig:
         _check(0 <= _finite(self.momentum) < 1, "--momentum", f"must be in [0, 1), got {self.momentum}")
         _check(_finite(self.compute_ms) >= 0, "--compute-ms", f"must be >= 0, got {self.compute_ms}")
         _check(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
+        _check(self.reference_batch >= 1, "--reference-batch", f"must be >= 1, got {self.reference_batch}")
         _check(self.average_every >= 1, "--average-every", f"must be >= 1, got {self.average_every}")
         _check(
             self.profile in PROFILES,
             "--profile",
             f"unknown profile {self.profile!r}; choose {', '.join(PROFILES)}",
         )
+
+    @property
+    def graph(self) -> topologies.Topology:
+        """The topology to average on (the algorithm's usual one when none was given)."""
+        return topologies.Topology.parse(self.topology or Algorithm.parse(self.algorithm).default_topology)
 
     @property
     def step_budget(self) -> int | None:
@@ -201,6 +213,9 @@ class MeshConfig(TrainConfig):
         repeat=True,
         metavar="RANK:FACTOR",
     )
+    node_batch: tuple[str, ...] = _option(
+        (), "RANK:SIZE, node RANK takes batches of SIZE (its lr scaled to match; repeatable)", repeat=True
+    )
     kill: tuple[str, ...] = _option(
         (), "RANK@SECONDS: kill -9 node RANK at that time on the mesh clock (repeatable)", repeat=True
     )
@@ -222,10 +237,11 @@ class MeshConfig(TrainConfig):
         super().__post_init__()
         _check(1 <= self.nodes <= 256, "--nodes", f"must be in 1..256, got {self.nodes}")
         try:  # the graph must exist for this node count (a hypercube needs a power of two...)
-            topologies.Topology.parse(self.topology).graph(self.nodes)
+            self.graph.graph(self.nodes)
         except topologies.TopologyError as exc:
             raise ConfigError(f"--topology: {exc}") from None
         self.slowdown_by_rank()  # validates
+        self.batch_by_rank()
         self.chaos()
 
     def chaos(self) -> list[ChaosAction]:
@@ -244,6 +260,18 @@ class MeshConfig(TrainConfig):
             flag = "--pause" if action.action == "resume" else f"--{action.action}"
             _check(action.rank < total, flag, f"rank {action.rank} is not in 0..{total - 1}")
         return sorted(actions)
+
+    def batch_by_rank(self) -> dict[int, int]:
+        sizes: dict[int, int] = {}
+        for text in self.node_batch:
+            rank, _, size = text.partition(":")
+            try:
+                sizes[int(rank)] = int(size)
+            except ValueError:
+                raise ConfigError(f"--node-batch {text!r}: expected RANK:SIZE, e.g. 3:64") from None
+            _check(0 <= int(rank) < self.nodes, "--node-batch", f"rank {rank} is not in 0..{self.nodes - 1}")
+            _check(int(size) >= 1, "--node-batch", f"size must be >= 1, got {size}")
+        return sizes
 
     def slowdown_by_rank(self) -> dict[int, float]:
         factors: dict[int, float] = {}
@@ -312,8 +340,9 @@ def as_flags(config: TrainConfig) -> list[str]:
 
 
 def summary(config: TrainConfig) -> dict[str, Any]:
-    """The config as JSON-ready values (for the run report)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+    """The config as JSON-ready values (for the run report), with the topology resolved."""
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+    return {**values, "topology": str(config.graph)}
 
 
 def parse_args_into(cls: type[Config], args: argparse.Namespace, env: Mapping[str, str]) -> Config:

@@ -53,6 +53,7 @@ class Mesh:
         self.chaos: list[dict[str, Any]] = []  # what was done, on the mesh clock
         self._selector = selectors.DefaultSelector()
         self._slowdown = config.slowdown_by_rank()
+        self._batch = config.batch_by_rank()
 
     def clock(self) -> float:
         return time.time() - self.origin
@@ -73,6 +74,7 @@ class Mesh:
             "--threads", "1",
             *(["--bootstrap", bootstrap] if bootstrap else []),
             *as_flags(self.config),
+            *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
         ]  # fmt: skip
         node.start(self.node_main, argv)
         self._selector.register(node.progress_fd, selectors.EVENT_READ, node)
@@ -128,7 +130,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path = config.report or run_dir / "report.json"
     print(
-        f"gossipmesh mesh: {config.nodes} nodes, {config.topology} topology, {config.algorithm}, "
+        f"gossipmesh mesh: {config.nodes} nodes, {config.graph} topology, {config.algorithm}, "
         f"task {config.task}; logs in {run_dir}",
         file=stream,
         flush=True,  # a buffered line would be written again by every forked node

@@ -40,6 +40,7 @@ class NodeRecord:
     steps: int = 0
     rounds: int = 0
     topology_fallback_rounds: int = 0  # rounds averaged on the fallback graph (see topologies)
+    staleness: dict[str, float] = field(default_factory=dict)  # of the messages mixed in
     final: dict[str, float] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -50,11 +50,12 @@ class Trainer:
         self.clock = clock
         self.train_loss = math.nan
         self.lock = threading.Lock()
+        lr = config.lr * config.batch_size / config.reference_batch  # the same step per example
         self.optimizer = GossipOptimizer(
-            torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum),
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum),
             peer=peer,
             algorithm=config.algorithm,
-            topology=config.topology,
+            topology=config.graph,
             average_every=config.average_every,
             round_timeout=config.round_timeout,
             lock=self.lock,
@@ -103,12 +104,14 @@ class Trainer:
                 record.steps += 1
                 self._smooth(loss.item())
         finally:
+            self.optimizer.close()
             self.peer.leave(after_round=self.optimizer.averager.round - 1)
             final = self.recorder.stop()
             record.timeline = self.recorder.timeline
             record.final = {"loss": final.loss, "accuracy": final.accuracy}
             record.rounds = self.optimizer.averager.round
             record.topology_fallback_rounds = self.optimizer.averager.fallback_rounds
+            record.staleness = self.optimizer.averager.report()
             record.rejected_by_reason = dict(self.optimizer.averager.rejected)
             record.dropped_by_reason = dict(self.optimizer.averager.dropped)
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from gossip import DPSGD, PeerNetwork
+from gossip import Algorithm, PeerNetwork
 from p2p import Peer
 from runtime.launcher import free_ports
 from topologies import Topology
@@ -47,23 +47,27 @@ def average_in_threads(
     rounds: int,
     timeout: float = 5.0,
     history: list[list[np.ndarray]] | None = None,
+    algorithm: str = "dpsgd",
 ) -> list[list[float]]:
-    """Run ``rounds`` of pure D-PSGD averaging on every peer at once; returns round durations.
-
-    With ``history``, node i's vector after each round is appended to ``history[i]``.
-    """
+    """Run ``rounds`` rounds of pure averaging (no training) on every peer at once; returns
+    round durations. With ``history``, node i's vector after each round is appended to
+    ``history[i]``."""
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
+    spec = Algorithm.parse(algorithm)
 
     def run(i: int) -> None:
         try:
-            averager = DPSGD(peers[i], vectors[i], topology=Topology.parse(topology), round_timeout=timeout)
+            averager = spec.build(
+                peers[i], vectors[i], topology=Topology.parse(topology), round_timeout=timeout, lock=None
+            )
             for _ in range(rounds):
                 started = time.monotonic()
-                averager.average()
+                averager.after_step()
                 durations[i].append(time.monotonic() - started)
                 if history is not None:
                     history[i].append(vectors[i].copy())
+            averager.close()
         except BaseException as exc:  # surfaced in the test thread below
             errors.append(exc)
 

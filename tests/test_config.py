@@ -17,7 +17,9 @@ def _node(argv: list[str], env: dict[str, str] | None = None) -> NodeConfig:
 
 def test_defaults() -> None:
     config = _node([])
-    assert (config.task, config.topology, config.algorithm) == ("digits", "ring", "dpsgd")
+    assert (config.task, config.topology, config.algorithm) == ("digits", None, "dpsgd")
+    assert str(config.graph) == "ring"
+    assert str(_node(["--algorithm", "sgp"]).graph) == "one-peer-exponential"
     assert (config.lr, config.momentum, config.batch_size) == (0.05, 0.9, 32)
     assert config.step_budget == 600 and config.bootstrap == ()
 

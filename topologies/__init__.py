@@ -2,7 +2,7 @@
 
 from topologies.analysis import Analysis, analyze, second_eigenvalue_modulus
 from topologies.graphs import TopologyError
-from topologies.membership import MixingRow, member_order, mixing_row
+from topologies.membership import MixingRow, member_order, mixing_row, pair_partner
 from topologies.schedules import active_passive, pairwise_partner
 from topologies.spec import FAMILIES, NAMES, Topology
 from topologies.weights import SCHEMES, check_column_stochastic, check_doubly_stochastic
@@ -21,6 +21,7 @@ __all__ = [
     "check_doubly_stochastic",
     "member_order",
     "mixing_row",
+    "pair_partner",
     "pairwise_partner",
     "second_eigenvalue_modulus",
 ]

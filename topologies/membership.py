@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from topologies.graphs import TopologyError
+from topologies.schedules import pairwise_partner
 from topologies.spec import Topology
 
 FALLBACK = Topology("exponential")
@@ -65,3 +66,17 @@ def mixing_row(topology: Topology, members: Iterable[str], me: str, round: int =
         send_to=tuple(ordered[j] for j in topology.sends_to(n, i, round)),
         topology=topology,
     )
+
+
+def pair_partner(topology: Topology, members: Iterable[str], me: str, round: int = 0) -> str | None:
+    """The passive neighbour ``me`` exchanges with in ``round`` when it is active (asynchronous
+    pairwise gossip), or None when it is passive or has no passive neighbour."""
+    ordered = member_order(members)
+    if me not in ordered or len(ordered) < 2:
+        return None
+    try:
+        graph = topology.graph(len(ordered))
+    except TopologyError:
+        graph = FALLBACK.graph(len(ordered))
+    partner = pairwise_partner(graph, ordered.index(me), round)
+    return None if partner is None else ordered[partner]

@@ -1,0 +1,135 @@
+"""Asynchronous decentralized parallel SGD: AD-PSGD (Lian et al., ICML 2018).
+
+Training never waits for communication. A background exchanger averages the model with one
+neighbour at a time: an *active* node sends its model to a *passive* neighbour, which atomically
+replaces its own with the mean of the two and answers with its model from before; the active
+node then does the same with the answer. Nodes are split into actives and passives by the
+graph's 2-colouring (even and odd positions when it has none), so two nodes never wait on each
+other and exchanges cannot deadlock. A slow node computes slowly but keeps exchanging at the
+speed of the network, so its model stays with the others.
+
+Each model carries a version: a node's count of local steps, raised to the partner's on every
+exchange (a model that has absorbed a newer one is as new as it). A message whose model is more
+than ``max_staleness`` versions behind this node's is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from contextlib import AbstractContextManager
+from typing import ClassVar
+
+import numpy as np
+
+from gossip.averager import Averager
+from gossip.network import Envelope, PeerNetwork
+from topologies import Topology, pair_partner
+
+REQUEST, REPLY = "pair_request", "pair_reply"
+
+
+class ADPSGD(Averager):
+    """Args are those of :class:`~gossip.averager.Averager` (``round`` is the model version),
+    plus ``interval_s``: the least time between two exchanges this node starts."""
+
+    kinds: ClassVar[tuple[str, ...]] = (REQUEST, REPLY)
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float = 2.0,
+        lock: AbstractContextManager[object] | None = None,
+        max_staleness: int = 1000,
+        interval_s: float = 0.005,
+    ) -> None:
+        if topology.family.directed or topology.family.time_varying:
+            raise ValueError(f"adpsgd pairs neighbours on a fixed undirected graph; {topology} is not one")
+        super().__init__(
+            peer,
+            params,
+            topology=topology,
+            round_timeout=round_timeout,
+            lock=lock,
+            max_staleness=max_staleness,
+        )
+        self.interval_s = interval_s
+        self.exchanges = 0
+        self._exchange_ids = itertools.count(1)
+        self._version_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"adpsgd-{peer.node_id}", daemon=True)
+        self._thread.start()
+
+    def after_step(self) -> None:
+        with self._version_lock:
+            self.round += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def report(self) -> dict[str, float]:
+        return {**super().report(), "exchanges": self.exchanges}
+
+    # -- the exchanger thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            partner = pair_partner(self.topology, self.peer.members(), self.peer.node_id, self.exchanges)
+            if partner is not None:
+                self._time_round()
+                self._exchange(partner)
+            self._answer_until(time.monotonic() + (self.interval_s if partner else 0.05))
+
+    def _exchange(self, partner: str) -> None:
+        """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
+        exchange = next(self._exchange_ids)
+        with self.lock:
+            mine = self.params.copy()
+        self.peer.send(partner, REQUEST, self.round, [mine], {"exchange": exchange})
+        deadline = time.monotonic() + self.wait_limit()
+        while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+            message = self.peer.recv(remaining, self.kinds)
+            if message is None:
+                if partner not in self.peer.members():
+                    return
+            elif message.kind == REQUEST:
+                self._answer(message)
+            elif message.sender == partner and message.meta.get("exchange") == exchange:
+                if self._valid(message) and self._fresh(message.round, self.round):
+                    self._average_with(message)
+                return
+            else:
+                self.dropped["stale"] += 1  # the answer to an exchange already given up
+        self.peer.missed(partner)
+
+    def _answer_until(self, deadline: float) -> None:
+        while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+            message = self.peer.recv(remaining, (REQUEST,))
+            if message is not None:
+                self._answer(message)
+
+    def _answer(self, request: Envelope) -> None:
+        """The passive side: answer with our model from before, then take the mean."""
+        if not (self._valid(request) and self._fresh(request.round, self.round)):
+            return
+        version = self.round
+        before = self._average_with(request)
+        self.peer.send(request.sender, REPLY, version, [before], {"exchange": request.meta.get("exchange")})
+
+    def _average_with(self, message: Envelope) -> np.ndarray:
+        """Atomically replace our model with the mean of it and the message's; returns ours
+        from before."""
+        with self.lock:
+            before = self.params.copy()
+            self.params += message.tensors[0]
+            self.params *= 0.5
+        with self._version_lock:
+            self.round = max(self.round, message.round)
+        self.exchanges += 1
+        return before

@@ -1,0 +1,113 @@
+"""Averaging algorithms by name: ``NAME`` or ``NAME:key=value,...``, as in ``--algorithm``.
+
+==========  ========================================================  =========================
+name        what it is                                                parameters (default)
+==========  ========================================================  =========================
+dpsgd       synchronous D-PSGD; a round waits (bounded) for the       backup (0: all),
+            neighbours                                                 staleness (0)
+sgp         Stochastic Gradient Push: push-sum on a directed,         overlap (1), staleness (256)
+            time-varying graph
+adpsgd      asynchronous pairwise averaging on a background thread;   interval_ms (5),
+            training never waits                                      staleness (1000)
+==========  ========================================================  =========================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gossip.adpsgd import ADPSGD
+from gossip.averager import Averager
+from gossip.dpsgd import DPSGD
+from gossip.network import PeerNetwork
+from gossip.sgp import SGP
+from topologies import Topology
+
+
+@dataclass(frozen=True)
+class _Family:
+    build: Callable[..., Averager]
+    params: dict[str, Callable[[str], Any]]  # name -> parser
+    default_topology: str
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+FAMILIES: dict[str, _Family] = {
+    "dpsgd": _Family(DPSGD, {"backup": _count, "staleness": _count}, "ring"),
+    "sgp": _Family(SGP, {"overlap": _count, "staleness": _count}, "one-peer-exponential"),
+    "adpsgd": _Family(ADPSGD, {"interval_ms": _positive, "staleness": _count}, "ring"),
+}
+ALGORITHMS = tuple(FAMILIES)
+
+
+class AlgorithmError(ValueError):
+    """An algorithm name or parameter that is not known; the message lists what is."""
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm with its parameters, e.g. ``Algorithm.parse("dpsgd:backup=1")``."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> Algorithm:
+        name, _, rest = spec.strip().partition(":")
+        if name not in FAMILIES:
+            raise AlgorithmError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
+        accepted = FAMILIES[name].params
+        params = {}
+        for item in filter(None, rest.split(",")):
+            key, _, value = item.partition("=")
+            if key not in accepted:
+                raise AlgorithmError(f"{name}: unknown parameter {key!r}; it takes: {', '.join(accepted)}")
+            try:
+                params[key] = accepted[key](value)
+            except ValueError:
+                raise AlgorithmError(f"{name}: {key}={value!r} is not a valid {key}") from None
+        return cls(name, tuple(sorted(params.items())))
+
+    def __str__(self) -> str:
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params) if self.params else "")
+
+    @property
+    def default_topology(self) -> str:
+        return FAMILIES[self.name].default_topology
+
+    def build(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float,
+        lock: AbstractContextManager[object] | None,
+    ) -> Averager:
+        options = dict(self.params)
+        if "staleness" in options:
+            options["max_staleness"] = options.pop("staleness")
+        if "interval_ms" in options:
+            options["interval_s"] = options.pop("interval_ms") / 1000
+        family = FAMILIES[self.name]
+        return family.build(
+            peer, params, topology=topology, round_timeout=round_timeout, lock=lock, **options
+        )

@@ -1,0 +1,171 @@
+"""What every averaging algorithm shares: the flat parameters, the wait policy, each round's row
+of the topology, message checks, staleness bounds and the counters a node reports.
+
+An algorithm subclasses :class:`Averager` and implements :meth:`Averager.after_step`, which the
+training loop calls after local steps; synchronous algorithms gossip there, asynchronous ones
+only signal their background exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections import Counter, deque
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from gossip.network import Envelope, PeerNetwork
+from gossip.vector import all_finite, scratch_for
+from topologies import MixingRow, Topology, mixing_row
+
+WAIT_FACTOR = 10.0
+MIN_WAIT_S = 0.05
+RECENT_ROUNDS = 32
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    round: int
+    expected: int  # values this node waited for
+    arrived: int
+    wait_s: float
+    topology: Topology  # the graph used this round (the fallback where the chosen one is undefined)
+
+
+@dataclass
+class Staleness:
+    """How old the messages were that a node mixed in (in rounds, or model versions)."""
+
+    accepted: int = 0
+    total: int = 0
+    max: int = 0
+
+    def add(self, age: int) -> None:
+        self.accepted += 1
+        self.total += age
+        self.max = max(self.max, age)
+
+    def summary(self, dropped: int) -> dict[str, float]:
+        mean = self.total / self.accepted if self.accepted else 0.0
+        return {"mean": round(mean, 3), "max": self.max, "accepted": self.accepted, "dropped": dropped}
+
+
+class Averager:
+    """Base of the algorithms; see the module docstring.
+
+    Args:
+        peer: the node's network (``p2p.Peer`` or the in-memory network).
+        params: the flat parameter buffer (a numpy view of the model), mixed in place.
+        topology: the graph (or schedule) to average on.
+        round_timeout: the longest any wait for a neighbour lasts, in seconds (before there is a
+            history of rounds, and as the cap of the adaptive wait).
+        lock: held while ``params`` is written, so readers (evaluation, the optimizer) never
+            see half an update.
+        max_staleness: the oldest message (in rounds behind this node) that is still mixed in;
+            older ones are dropped and counted.
+    """
+
+    kinds: ClassVar[tuple[str, ...]] = ()  # message kinds this algorithm reads
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float = 2.0,
+        lock: AbstractContextManager[object] | None = None,
+        max_staleness: int = 0,
+    ) -> None:
+        self.peer = peer
+        self.params = params
+        self.topology = topology
+        self.round_timeout = round_timeout
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.max_staleness = max_staleness
+        self.round = 0
+        self.rejected: Counter[str] = Counter()  # malformed messages
+        self.dropped: Counter[str] = Counter()  # well-formed ones that came too late or too early
+        self.staleness = Staleness()
+        self.fallback_rounds = 0
+        self._scratch = scratch_for(params)
+        self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
+        self._last_start: float | None = None
+
+    def after_step(self) -> RoundStats | None:
+        """Called by the training loop after its local steps; returns the round's figures when
+        the algorithm gossiped synchronously."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop background work (asynchronous algorithms)."""
+
+    def restart(self, round: int) -> None:
+        """Continue from ``round`` with the parameters as they are now (after taking another
+        node's state)."""
+        self.round = round
+
+    def report(self) -> dict[str, float]:
+        return self.staleness.summary(self.dropped["stale"])
+
+    # -- shared machinery ---------------------------------------------------------------------
+
+    def wait_limit(self) -> float:
+        """How long one wait for a neighbour may last: WAIT_FACTOR times the median of recent
+        round times, within [MIN_WAIT_S, round_timeout]."""
+        if len(self._round_times) < RECENT_ROUNDS // 4:
+            return self.round_timeout
+        return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
+
+    def _time_round(self) -> None:
+        now = time.monotonic()
+        if self._last_start is not None:
+            self._round_times.append(now - self._last_start)
+        self._last_start = now
+
+    def _row(self, r: int) -> MixingRow:
+        """This node's row of round ``r``, from the membership of that round."""
+        members = self.peer.members(r)
+        row = mixing_row(self.topology, members, self.peer.node_id, r)
+        if row.topology != self.topology:
+            if self.fallback_rounds == 0:
+                log.warning(
+                    "%s is not defined for %d members: averaging on %s until it is",
+                    self.topology,
+                    len(members),
+                    row.topology,
+                )
+            self.fallback_rounds += 1
+        return row
+
+    def _valid(self, message: Envelope, shapes: int = 1) -> bool:
+        """Check a message before any of it is used: kind, tensor count, dtype and shape of
+        the first tensor against the model, finiteness. Counts what is wrong."""
+        problem = None
+        if message.kind not in self.kinds:
+            problem = "unexpected_kind"
+        elif len(message.tensors) != shapes:
+            problem = "tensor_count"
+        elif message.tensors[0].dtype != self.params.dtype or message.tensors[0].shape != self.params.shape:
+            problem = "tensor_mismatch"
+        elif not all(all_finite(t) for t in message.tensors):
+            problem = "non_finite"
+        if problem is not None:
+            self.rejected[problem] += 1
+        return problem is None
+
+    def _fresh(self, message_round: int, now_round: int) -> bool:
+        """Whether a message from ``message_round`` is within the staleness bound at
+        ``now_round``; a stale one is counted as dropped."""
+        age = now_round - message_round
+        if age > self.max_staleness:
+            self.dropped["stale"] += 1
+            return False
+        self.staleness.add(max(age, 0))
+        return True

@@ -1,0 +1,150 @@
+"""Stochastic Gradient Push (Assran et al., ICML 2019): push-sum on directed, time-varying graphs.
+
+Each node keeps a numerator x and a weight w; its model is the de-biased z = x / w. After a
+local step (the optimizer moved z by delta, so x moves by w * delta: z = x / w still holds and the
+step is exactly the optimizer's, even when asynchrony has moved w far from 1), the node keeps a share
+1 / (d + 1) of (x, w) and pushes an equal share to each of its d out-neighbours of the round
+(one per round on the default one-peer exponential graph), then adds every share it has
+received. Column-stochastic mixing conserves the sums of x and w, so z tends to the true average
+even on directed graphs where no doubly-stochastic weights exist.
+
+``overlap`` is how many rounds a share may take to arrive: with 0 a node waits (bounded) for
+this round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends this round's
+shares and waits only for those of the previous round, which have had a whole local step to
+arrive, so communication hides behind computation. An in-neighbour that has fallen behind (its
+newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
+does not need shares to come in step. A share from one of the next ``HOLD_ROUNDS`` rounds waits
+for its round (so nodes in step mix exactly as the graph says); any other is mixed in as soon as
+it is read (a node that has fallen far behind takes in the mass the others push to it at once).
+A share older than ``max_staleness`` rounds is dropped and counted. The default bound is
+generous (256 rounds) because a dropped share takes its mass with it: push-sum is exact only
+while mass is conserved, and a node that keeps losing mass drives its weight towards zero.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import ClassVar
+
+import numpy as np
+
+from gossip.averager import Averager, RoundStats
+from gossip.network import Envelope, PeerNetwork
+from gossip.vector import add_scaled
+from topologies import Topology, mixing_row
+
+KIND = "push"
+HOLD_ROUNDS = 8
+
+
+class SGP(Averager):
+    """Args are those of :class:`~gossip.averager.Averager`, plus ``overlap`` (see above)."""
+
+    kinds: ClassVar[tuple[str, ...]] = (KIND,)
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float = 2.0,
+        lock: AbstractContextManager[object] | None = None,
+        max_staleness: int = 256,
+        overlap: int = 1,
+    ) -> None:
+        super().__init__(
+            peer,
+            params,
+            topology=topology,
+            round_timeout=round_timeout,
+            lock=lock,
+            max_staleness=max_staleness,
+        )
+        self.overlap = overlap
+        self.weight = 1.0  # w
+        self._numerator = params.copy()  # x (= w z)
+        self._model = params.copy()  # the z handed to the optimizer after the last round
+        self._arrived: set[tuple[str, int]] = set()  # (sender, round) of the shares mixed in
+        self._newest: dict[str, int] = {}  # sender -> round of its newest share
+        self._later: list[Envelope] = []  # shares for rounds this node has not reached
+
+    def after_step(self) -> RoundStats:
+        self._time_round()
+        r = self.round
+        with self.lock:  # x += w * (what the optimizer did to z since the last round)
+            add_scaled(self._numerator, self.params, self.weight, self._scratch)
+            add_scaled(self._numerator, self._model, -self.weight, self._scratch)
+        row = self._row(r)
+        share = 1.0 / (len(row.send_to) + 1)
+        pushed = self._numerator * share  # a new array: it stays untouched while in flight
+        weight = np.array([self.weight * share])
+        for target in row.send_to:
+            self.peer.send(target, KIND, r, [pushed, weight])
+        self._numerator *= share
+        self.weight *= share
+        started = time.monotonic()
+        expected = self._expected(r - self.overlap)
+        self._take_shares(r, expected)
+        wait_s = time.monotonic() - started
+        with self.lock:
+            np.divide(self._numerator, self.weight, out=self.params)
+            np.copyto(self._model, self.params)
+        self.round += 1
+        return RoundStats(r, len(expected), len(expected & self._arrived), wait_s, row.topology)
+
+    def report(self) -> dict[str, float]:
+        return {**super().report(), "push_sum_weight": round(self.weight, 6)}
+
+    def restart(self, round: int) -> None:
+        super().restart(round)
+        self.weight = 1.0
+        np.copyto(self._numerator, self.params)
+        np.copyto(self._model, self.params)
+        self._arrived.clear()
+        self._later.clear()
+
+    def _expected(self, r: int) -> set[tuple[str, int]]:
+        """The (sender, round) shares this node waits for: round r's in-neighbours' that are
+        keeping up (whose newest share is from round r - 1 or later)."""
+        if r < 0:
+            return set()
+        row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r)
+        return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1}
+
+    def _take_shares(self, r: int, expected: set[tuple[str, int]]) -> None:
+        """Mix in the shares that have arrived, waiting (bounded) for the expected ones."""
+        for held in [m for m in self._later if m.round <= r]:
+            self._later.remove(held)
+            self._mix_in(held, r)
+        deadline = time.monotonic() + self.wait_limit()
+        while True:
+            missing = {(s, q) for s, q in expected - self._arrived if s in self.peer.members(q)}
+            timeout = 0.0 if not missing else max(0.0, deadline - time.monotonic())
+            received = self.peer.recv(timeout, self.kinds)
+            if received is None:
+                if not missing or time.monotonic() >= deadline:
+                    break
+                continue
+            self._mix_in(received, r)
+        for sender, _ in missing:
+            self.peer.missed(sender)
+        self._arrived = {(s, q) for s, q in self._arrived if q > r - self.max_staleness}
+
+    def _mix_in(self, message: Envelope, r: int) -> None:
+        if not self._valid(message, shapes=2):
+            return
+        if r < message.round <= r + HOLD_ROUNDS:  # a neighbour a little ahead: keep it for its round
+            self._later.append(message)
+            return
+        weight = message.tensors[1]
+        if weight.dtype != np.float64 or weight.shape != (1,) or not 0 < float(weight[0]) <= 1e6:
+            self.rejected["bad_push_weight"] += 1
+            return
+        if not self._fresh(message.round, r):
+            return
+        add_scaled(self._numerator, message.tensors[0], 1.0, self._scratch)
+        self.weight += float(weight[0])
+        self._arrived.add((message.sender, message.round))
+        self._newest[message.sender] = max(self._newest.get(message.sender, -1), message.round)

@@ -1,0 +1,108 @@
+"""The averaging algorithms' math and bounds, over the in-memory network (the real algorithm
+code, no sockets): exact averages, staleness bounds, backup neighbours."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+from helpers import average_in_threads, wait_until
+
+from gossip import ADPSGD, DPSGD, Algorithm, AlgorithmError, consensus_distance
+from p2p.memory import MemoryNetwork
+from topologies import Topology
+
+
+def memory_mesh(n: int) -> list:  # type: ignore[type-arg]
+    network = MemoryNetwork()
+    return [network.join(f"node-{i}") for i in range(n)]
+
+
+def start_vectors(n: int, seed: int = 3) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(200) + 2.0 for _ in range(n)]
+
+
+def test_push_sum_reaches_the_exact_mean_in_log2_n_rounds_on_one_peer_exponential() -> None:
+    vectors = start_vectors(8)
+    target = np.mean(vectors, axis=0)
+    average_in_threads(
+        memory_mesh(8), vectors, topology="one-peer-exponential", rounds=3, algorithm="sgp:overlap=0"
+    )
+    for vector in vectors:
+        np.testing.assert_allclose(vector, target, atol=1e-12)
+
+
+def test_push_sum_with_overlap_converges_to_the_exact_mean_on_a_directed_graph() -> None:
+    vectors = start_vectors(8, seed=4)
+    target = np.mean(vectors, axis=0)
+    average_in_threads(memory_mesh(8), vectors, topology="directed-exponential", rounds=60, algorithm="sgp")
+    for vector in vectors:
+        np.testing.assert_allclose(vector, target, atol=1e-6)
+
+
+def test_asynchronous_pairwise_averaging_keeps_the_mean_and_reaches_it() -> None:
+    peers = memory_mesh(8)
+    vectors = start_vectors(8, seed=5)
+    target = np.mean(vectors, axis=0)
+    averagers = [
+        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    try:
+        assert wait_until(lambda: consensus_distance(vectors) < 1e-9, 20.0)
+    finally:
+        for averager in averagers:
+            averager.close()
+    np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-12)  # exchanges are atomic pairs
+    for vector in vectors:
+        np.testing.assert_allclose(vector, target, atol=1e-6)
+    actives = [
+        a for a in averagers if a.exchanges and a.peer.node_id in {"node-0", "node-2", "node-4", "node-6"}
+    ]
+    assert len(actives) == 4
+
+
+def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:
+    a, b = memory_mesh(2)
+    own = np.full(3, 1.0)
+    averager = DPSGD(a, own, topology=Topology.parse("ring"), round_timeout=0.2, max_staleness=1)
+    averager.round = 3
+    b.send("node-0", "params", 1, [np.full(3, 9.0)])  # two rounds old: beyond the bound
+    b.send("node-0", "params", 2, [np.full(3, 5.0)])  # one round old: mixed in, discounted
+    stats = averager.average()
+    assert averager.dropped["stale"] == 1
+    assert stats.arrived == 1 and averager.staleness.max == 1
+    # ring of 2: weight 1/2 for the neighbour, halved again for being one round old
+    np.testing.assert_allclose(own, 0.75 * 1.0 + 0.25 * 5.0)
+
+
+def test_dpsgd_with_backup_neighbours_does_not_wait_for_the_last_one() -> None:
+    a, b, _ = memory_mesh(3)
+    own = np.full(2, 1.0)
+    averager = DPSGD(a, own, topology=Topology.parse("complete"), round_timeout=5.0, backup=1)
+    b.send("node-0", "params", 0, [np.full(2, 3.0)])
+    started = time.monotonic()
+    stats = averager.average()
+    assert time.monotonic() - started < 1.0  # node-2 is silent, and not waited for
+    assert (stats.expected, stats.arrived) == (2, 1)
+    np.testing.assert_allclose(own, 2.0)  # 1/3 and 1/3, renormalised over what came
+
+
+def test_algorithm_names_and_parameters() -> None:
+    assert str(Algorithm.parse("dpsgd:staleness=2,backup=1")) == "dpsgd:backup=1,staleness=2"
+    assert Algorithm.parse("sgp").default_topology == "one-peer-exponential"
+    with pytest.raises(
+        AlgorithmError, match="unknown algorithm 'allreduce'; choose one of dpsgd, sgp, adpsgd"
+    ):
+        Algorithm.parse("allreduce")
+    with pytest.raises(
+        AlgorithmError, match=re.escape("sgp: unknown parameter 'backup'; it takes: overlap, staleness")
+    ):
+        Algorithm.parse("sgp:backup=1")
+    with pytest.raises(AlgorithmError, match="dpsgd: backup='-1' is not a valid backup"):
+        Algorithm.parse("dpsgd:backup=-1")
+    with pytest.raises(ValueError, match="adpsgd pairs neighbours on a fixed undirected graph"):
+        ADPSGD(memory_mesh(1)[0], np.zeros(2), topology=Topology.parse("one-peer-exponential"))

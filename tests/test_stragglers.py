@@ -1,0 +1,55 @@
+"""Heterogeneous nodes on real daemons: each algorithm trains a mesh, and a node slowed 8x
+does not hold the others back (except synchronous D-PSGD waiting for all, which it should)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node import main
+
+pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
+
+NODES, SLOW = 6, 2
+
+
+def run(tmp_path: Path, algorithm: str, *argv: str) -> dict[str, Any]:
+    run_dir = tmp_path / algorithm.replace(":", "_") / ("slowed" if argv else "even")
+    flags = ["mesh", "--nodes", str(NODES), "--algorithm", algorithm, "--duration", "8", "--compute-ms", "20"]
+    assert main([*flags, "--run-dir", str(run_dir), *argv]) == 0
+    report: dict[str, Any] = json.loads((run_dir / "report.json").read_text())
+    return report
+
+
+def fast_steps(report: dict[str, Any]) -> float:
+    return statistics.median(n["steps"] for n in report["nodes"] if n["rank"] != SLOW)
+
+
+@pytest.mark.parametrize("algorithm", ["adpsgd", "sgp", "dpsgd:backup=1"])
+def test_a_node_slowed_8x_does_not_hold_the_others_back(tmp_path: Path, algorithm: str) -> None:
+    even = run(tmp_path, algorithm)
+    slowed = run(tmp_path, algorithm, "--slowdown", f"{SLOW}:8")
+    assert fast_steps(slowed) >= 0.8 * fast_steps(even), (fast_steps(slowed), fast_steps(even))
+    for report in (even, slowed):
+        assert all(n["status"] == "finished" for n in report["nodes"])
+    assert min(n["final"]["accuracy"] for n in even["nodes"]) >= 0.93  # every algorithm trains
+    slow = next(n for n in slowed["nodes"] if n["rank"] == SLOW)
+    assert slow["steps"] < fast_steps(slowed) / 5  # it really was slow...
+    if not algorithm.startswith("dpsgd"):  # ...yet, averaging asynchronously, it kept up
+        assert slow["final"]["accuracy"] >= 0.9
+    assert all("mean" in n["staleness"] for n in slowed["nodes"])
+
+
+def test_synchronous_dpsgd_runs_at_the_pace_of_its_slowest_node(tmp_path: Path) -> None:
+    slowed = run(tmp_path, "dpsgd", "--slowdown", f"{SLOW}:8")
+    assert fast_steps(slowed) < 0.25 * 8 / 0.02  # 8 s of 20 ms steps, at 1/8 of the pace or so
+
+
+def test_nodes_with_different_batch_sizes_train_together(tmp_path: Path) -> None:
+    report = run(tmp_path, "dpsgd", "--node-batch", "0:64", "--node-batch", "1:16")
+    assert min(n["final"]["accuracy"] for n in report["nodes"]) >= 0.93
+    assert report["consensus_distance"] < 0.05
