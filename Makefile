@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint bench-transport clean
+.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers clean
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,12 @@ lint: venv
 
 bench-transport: venv
 	$(BIN)/python bench/transport.py
+
+bench-membership: venv
+	$(BIN)/python bench/membership.py
+
+bench-stragglers: venv
+	$(BIN)/python bench/stragglers.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

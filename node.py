@@ -69,6 +69,10 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     node_id = config.id or _default_id(config.listen)
     joins_running_mesh = bool(config.bootstrap or config.beacon) and config.expect == 0
+    # A node takes part in gossip rounds only once it is ready to train (imports done, model and
+    # optimizer built): members that start together wait for each other at round 0, so a node
+    # that is seconds slower to start is not averaged around.
+    announces_later = joins_running_mesh or config.expect > 1
     peer = Peer(
         node_id,
         config.listen,
@@ -77,7 +81,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         limits=Limits(max_message_bytes=max(model_bytes, STATE_CHUNK_BYTES)),
         profile=PROFILES[config.profile],
         clock=clock,
-        first_round=NOT_YET if joins_running_mesh else 0,
+        first_round=NOT_YET if announces_later else 0,
         beacon_port=config.beacon,
         mesh_name=config.mesh_name,
     )
@@ -95,6 +99,10 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
             trainer.join_running_mesh()
             record.t_joined = round(clock(), 3)
+        elif announces_later:
+            peer.start_at_round(0)
+            expect = max(1, config.expect)
+            peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=stop.is_set)
         if not stop.is_set():
             trainer.run(stop)
         record.status = "finished"

@@ -102,11 +102,13 @@ class ADPSGD(Averager):
                 self._answer(message)
             elif message.sender == partner and message.meta.get("exchange") == exchange:
                 if self._valid(message) and self._fresh(message.round, self.round):
-                    self._average_with(message)
+                    with self.lock:
+                        self._take_mean(message)
                 return
             else:
                 self.dropped["stale"] += 1  # the answer to an exchange already given up
-        self.peer.missed(partner)
+        if not self._stop.is_set():
+            self.peer.missed(partner)
 
     def _answer_until(self, deadline: float) -> None:
         while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
@@ -119,17 +121,16 @@ class ADPSGD(Averager):
         if not (self._valid(request) and self._fresh(request.round, self.round)):
             return
         version = self.round
-        before = self._average_with(request)
-        self.peer.send(request.sender, REPLY, version, [before], {"exchange": request.meta.get("exchange")})
-
-    def _average_with(self, message: Envelope) -> np.ndarray:
-        """Atomically replace our model with the mean of it and the message's; returns ours
-        from before."""
         with self.lock:
             before = self.params.copy()
-            self.params += message.tensors[0]
-            self.params *= 0.5
+            self._take_mean(request)
+        self.peer.send(request.sender, REPLY, version, [before], {"exchange": request.meta.get("exchange")})
+
+    def _take_mean(self, message: Envelope) -> None:
+        """Replace our model with the mean of it and the message's (the caller holds the lock,
+        so the exchange is atomic)."""
+        self.params += message.tensors[0]
+        self.params *= 0.5
         with self._version_lock:
             self.round = max(self.round, message.round)
         self.exchanges += 1
-        return before

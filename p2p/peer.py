@@ -84,16 +84,22 @@ class Peer:
         return self.transport.start()
 
     def wait_ready(
-        self, timeout: float, *, expect: int = 1, cancelled: Callable[[], bool] = lambda: False
+        self,
+        timeout: float,
+        *,
+        expect: int = 1,
+        round: int | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         """Block until this node has joined a mesh (any mesh, with no bootstrap) of at least
-        ``expect`` members, or ``cancelled()``; raise TransportError after ``timeout``."""
+        ``expect`` members (taking part in gossip ``round``, when given), or ``cancelled()``;
+        raise TransportError after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while not (self.membership.joined.is_set() and len(self.members()) >= expect):
+        while not (self.membership.joined.is_set() and len(self.members(round)) >= expect):
             if cancelled():
                 return
             if time.monotonic() >= deadline:
-                raise TransportError(self._not_ready(timeout, expect))
+                raise TransportError(self._not_ready(timeout, expect, round))
             self.membership.joined.wait(0.05)
 
     def members(self, round: int | None = None) -> frozenset[str]:
@@ -137,7 +143,7 @@ class Peer:
         if self.beacon is not None:
             self.beacon.close()
 
-    def _not_ready(self, timeout: float, expect: int) -> str:
+    def _not_ready(self, timeout: float, expect: int, round: int | None) -> str:
         if not self.membership.joined.is_set():
             reason = self.membership.join_error or "no member answered"
             where = (
@@ -147,7 +153,8 @@ class Peer:
                 f"could not join through {where} within {timeout:g} s ({reason}); "
                 "check that a node runs there and is reachable, or raise --startup-timeout"
             )
+        what = "joined" if round is None else f"were ready to train round {round}"
         return (
-            f"only {len(self.members())} of the {expect} expected members joined within {timeout:g} s; "
-            "start the others, lower --expect, or raise --startup-timeout"
+            f"only {len(self.members(round))} of the {expect} expected members {what} within "
+            f"{timeout:g} s; start the others, lower --expect, or raise --startup-timeout"
         )

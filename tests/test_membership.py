@@ -7,7 +7,7 @@ import time
 import pytest
 from helpers import addresses, started_peers, wait_until
 
-from p2p import Peer
+from p2p import Peer, TransportError
 from p2p.member_table import Member, MemberTable, Status, refuted
 from p2p.membership import PROFILES, Membership
 
@@ -164,3 +164,24 @@ def test_joiner_waits_for_its_first_round() -> None:
             assert "c" not in b.members(39)
         finally:
             late.close()
+
+
+def test_members_starting_together_wait_at_round_zero_for_the_slowest() -> None:
+    """A member counts for round 0 only once it says it is ready to train, so a node seconds
+    slower to start (imports, data) is waited for instead of averaged around."""
+    first = Peer("a", addresses(1)[0], first_round=2**62)
+    first.start()
+    slow = Peer("b", addresses(1)[0], [first.address], first_round=2**62)
+    slow.start()
+    try:
+        first.wait_ready(5, expect=2)
+        first.start_at_round(0)
+        not_ready = "only 1 of the 2 expected members were ready to train round 0"
+        with pytest.raises(TransportError, match=not_ready):
+            first.wait_ready(0.5, expect=2, round=0)
+        slow.start_at_round(0)
+        first.wait_ready(5, expect=2, round=0)
+        assert first.members(0) == {"a", "b"}
+    finally:
+        slow.close()
+        first.close()

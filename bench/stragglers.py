@@ -1,0 +1,236 @@
+"""Synchronous allreduce against decentralized gossip, with one node slowed 1x, 2x, 4x and 8x.
+
+One invocation runs, for each slowdown, the same task, model, per-example learning rate and node
+count on every arm:
+
+- ``ddp``: torch.distributed DistributedDataParallel, gloo backend (allreduce of gradients).
+- each gossipmesh algorithm (``dpsgd``, ``sgp``, ``adpsgd``), as a real local mesh.
+
+Every process uses one torch thread and the same step pacer: each step lasts at least
+``--compute-ms`` (a sleep fills the rest) and the slowed node's steps last ``FACTOR`` times
+longer, so 8 processes on 2 cores measure the algorithms, not the scheduler. Reported per arm:
+wall time from the first step (of the last node to start) until every node reaches the target
+held-out accuracy, the steps
+and examples it took, final accuracy (lowest node), bytes sent per node, and the ratio of the
+time to DDP's. A PNG shows the lowest node's accuracy against wall time for every arm.
+
+    python bench/stragglers.py [--nodes 8] [--slowdowns 1,2,4,8] [--target 0.94] [--png FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import node
+from runtime.launcher import free_ports
+from runtime.pacing import StepPacer
+from tasks import batches, load_task
+
+LR, MOMENTUM, BATCH, EVAL_INTERVAL_S = 0.05, 0.9, 32, 0.25
+
+
+@dataclass
+class Arm:
+    name: str
+    slowdown: float
+    timelines: list[
+        list[dict[str, Any]]
+    ]  # per node: {"t", "step", "accuracy", "bytes_sent"}, t from the first step
+
+    def time_to(self, target: float) -> float:
+        """When the last node reached ``target`` (inf if some never did)."""
+        return max(next((p["t"] for p in tl if p["accuracy"] >= target), math.inf) for tl in self.timelines)
+
+    def at(self, t: float, key: str) -> list[float]:
+        return [float(next((p[key] for p in reversed(tl) if p["t"] <= t), 0)) for tl in self.timelines]
+
+    def lowest_accuracy(self) -> list[tuple[float, float]]:
+        times = sorted({p["t"] for tl in self.timelines for p in tl})
+        return [(t, min(self.at(t, "accuracy"))) for t in times]
+
+
+# -- the DDP arm ---------------------------------------------------------------------------------
+
+
+def ddp_worker(
+    rank: int, nodes: int, port: int, duration: float, compute_ms: float, slowdown: float, out: Any
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nodes)
+    task = load_task("digits")
+    model = torch.nn.parallel.DistributedDataParallel(task.model(seed=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    shard = task.shard(rank, nodes, partition="iid", seed=0)
+    pacer = StepPacer(compute_ms, slowdown if rank == nodes - 1 else 1.0)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.barrier()
+    start = time.monotonic()
+    timeline: list[dict[str, Any]] = []
+    next_eval = 0.0
+    for steps, (inputs, targets) in enumerate(batches(shard, BATCH, seed=rank)):
+        now = time.monotonic() - start
+        if now >= next_eval and rank == 0:
+            accuracy = task.evaluate(model.module).accuracy
+            bytes_sent = int(steps * 2 * (nodes - 1) / nodes * model_bytes)  # ring allreduce per step
+            timeline.append(
+                {"t": round(now, 3), "step": steps, "accuracy": accuracy, "bytes_sent": bytes_sent}
+            )
+            next_eval += EVAL_INTERVAL_S
+        if steps % 8 == 0:  # all ranks must stop at the same step: agree on it now and then
+            stop = torch.tensor([now >= duration], dtype=torch.int32)
+            dist.all_reduce(stop)
+            if stop.item():
+                break
+        started = time.monotonic()
+        loss = task.loss(model, inputs, targets)  # forward
+        optimizer.zero_grad()
+        pacer.finish_step(started)  # the emulated compute, before backward's allreduce
+        loss.backward()
+        optimizer.step()
+    if rank == 0:
+        out.send(timeline)
+    dist.barrier()
+    # Exit without tearing the process group down: torch 2.13's gloo group can deadlock in its
+    # destructor (its worker thread waits for the GIL the joining thread holds).
+    os._exit(0)
+
+
+def run_ddp(nodes: int, duration: float, compute_ms: float, slowdown: float) -> Arm:
+    context = multiprocessing.get_context("fork")
+    port = free_ports(1)[0]
+    receive, send = context.Pipe(duplex=False)
+    workers = [
+        context.Process(target=ddp_worker, args=(rank, nodes, port, duration, compute_ms, slowdown, send))
+        for rank in range(nodes)
+    ]
+    for worker in workers:
+        worker.start()
+    timeline = receive.recv()
+    for worker in workers:
+        worker.join()
+    return Arm("ddp", slowdown, [timeline] * nodes)  # one model: every rank's timeline is rank 0's
+
+
+# -- the gossip arms -----------------------------------------------------------------------------
+
+
+def run_gossip(algorithm: str, nodes: int, duration: float, compute_ms: float, slowdown: float) -> Arm:
+    with tempfile.TemporaryDirectory() as run_dir:
+        argv = ["mesh", "--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
+        argv += [
+            "--compute-ms",
+            f"{compute_ms:g}",
+            "--lr",
+            str(LR),
+            "--batch-size",
+            str(BATCH),
+            "--run-dir",
+            run_dir,
+        ]
+        if slowdown > 1:
+            argv += ["--slowdown", f"{nodes - 1}:{slowdown:g}"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            node.main(argv)
+        report = json.loads((Path(run_dir) / "report.json").read_text())
+    start = max(n["t_first_step"] for n in report["nodes"])  # from when the whole mesh trains
+    timelines = [
+        [{**p, "t": round(p["t"] - start, 3)} for p in n["timeline"] if p["t"] >= start]
+        for n in report["nodes"]
+    ]
+    return Arm(algorithm, slowdown, timelines)
+
+
+# -- the table and the plot ----------------------------------------------------------------------
+
+
+def table(arms: list[Arm], target: float, nodes: int) -> list[str]:
+    lines = [f"{'slow':>5} {'arm':<8} {'to target s':>11} {'x DDP':>6} {'steps':>6} {'examples':>9} "
+             f"{'final acc':>9} {'MB/node':>8}"]  # fmt: skip
+    ddp = {a.slowdown: a.time_to(target) for a in arms if a.name == "ddp"}
+    for arm in arms:
+        t = arm.time_to(target)
+        reached = math.isfinite(t)
+        steps = arm.at(t, "step") if reached else []
+        examples = sum(steps) * BATCH if arm.name != "ddp" else (steps[0] * BATCH * nodes if steps else 0)
+        ratio = ddp.get(arm.slowdown, math.nan) / t if reached else 0.0
+        final = min(tl[-1]["accuracy"] for tl in arm.timelines if tl)
+        mb = sum(arm.at(t, "bytes_sent")) / len(arm.timelines) / 1e6 if reached else math.nan
+        lines.append(
+            f"{arm.slowdown:>4g}x {arm.name:<8} {t if reached else math.inf:>11.2f} {ratio:>6.2f} "
+            f"{(max(steps) if steps else 0):>6.0f} {examples:>9.0f} {final:>9.3f} {mb:>8.1f}"
+        )
+    return lines
+
+
+def plot(arms: list[Arm], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slowdowns = sorted({a.slowdown for a in arms})
+    figure, axes = plt.subplots(
+        1, len(slowdowns), figsize=(4.5 * len(slowdowns), 4), sharey=True, squeeze=False
+    )
+    for ax, slowdown in zip(axes[0], slowdowns, strict=True):
+        for arm in (a for a in arms if a.slowdown == slowdown):
+            points = arm.lowest_accuracy()
+            ax.plot([t for t, _ in points], [acc for _, acc in points], label=arm.name)
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"one node {slowdown:g}x slower")
+        ax.set_xlabel("wall time from the first step (s)")
+        ax.set_ylim(0.5, 1.0)
+    axes[0][0].set_ylabel("held-out accuracy of the lowest node")
+    axes[0][-1].legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--slowdowns", default="1,2,4,8", help="comma-separated factors for the slowed node")
+    parser.add_argument("--arms", default="ddp,dpsgd,sgp,adpsgd", help="ddp and/or gossipmesh algorithms")
+    parser.add_argument("--target", type=float, default=0.94, help="held-out accuracy every node must reach")
+    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds each run trains")
+    parser.add_argument("--png", type=Path, default=Path("bench-stragglers.png"))
+    parser.add_argument("--json", type=Path, help="also write the timelines here")
+    args = parser.parse_args()
+
+    arms: list[Arm] = []
+    for slowdown in (float(s) for s in args.slowdowns.split(",")):
+        for name in args.arms.split(","):
+            run = run_ddp if name == "ddp" else lambda *a, name=name: run_gossip(name, *a)
+            started = time.monotonic()
+            arms.append(run(args.nodes, args.duration, args.compute_ms, slowdown))
+            print(
+                f"  {name} with one node {slowdown:g}x slower: {time.monotonic() - started:.0f} s", flush=True
+            )
+    print(f"\n{args.nodes} nodes, {args.compute_ms:g} ms per step, target {args.target} for every node")
+    print("\n".join(table(arms, args.target, args.nodes)))
+    plot(arms, args.target, args.png)
+    print(f"plot: {args.png}")
+    if args.json:
+        args.json.write_text(json.dumps([a.__dict__ for a in arms]))
+
+
+if __name__ == "__main__":
+    main()
