@@ -9,7 +9,12 @@ sgp         Stochastic Gradient Push: push-sum on a directed,         overlap (1
             time-varying graph
 adpsgd      asynchronous pairwise averaging on a background thread;   interval_ms (5),
             training never waits                                      staleness (1000)
+choco       CHOCO-SGD: sends compressed differences to public         gamma (by compression)
+            replicas (``--compression``)
 ==========  ========================================================  =========================
+
+Only ``choco`` compresses: the others send whole models, which a lossy codec would corrupt
+without the replicas that carry CHOCO's error feedback.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import numpy as np
 
 from gossip.adpsgd import ADPSGD
 from gossip.averager import Averager
+from gossip.choco import CHOCO
+from gossip.compression import Codec
 from gossip.dpsgd import DPSGD
 from gossip.network import PeerNetwork
 from gossip.sgp import SGP
@@ -34,6 +41,7 @@ class _Family:
     build: Callable[..., Averager]
     params: dict[str, Callable[[str], Any]]  # name -> parser
     default_topology: str
+    compresses: bool = False
 
 
 def _count(text: str) -> int:
@@ -50,10 +58,18 @@ def _positive(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return value
+
+
 FAMILIES: dict[str, _Family] = {
     "dpsgd": _Family(DPSGD, {"backup": _count, "staleness": _count}, "ring"),
     "sgp": _Family(SGP, {"overlap": _count, "staleness": _count}, "one-peer-exponential"),
     "adpsgd": _Family(ADPSGD, {"interval_ms": _positive, "staleness": _count}, "ring"),
+    "choco": _Family(CHOCO, {"gamma": _fraction}, "ring", compresses=True),
 }
 ALGORITHMS = tuple(FAMILIES)
 
@@ -93,6 +109,10 @@ class Algorithm:
     def default_topology(self) -> str:
         return FAMILIES[self.name].default_topology
 
+    @property
+    def compresses(self) -> bool:
+        return FAMILIES[self.name].compresses
+
     def build(
         self,
         peer: PeerNetwork,
@@ -101,8 +121,18 @@ class Algorithm:
         topology: Topology,
         round_timeout: float,
         lock: AbstractContextManager[object] | None,
+        codec: Codec | None = None,
     ) -> Averager:
-        options = dict(self.params)
+        """The averager; ValueError when ``codec`` compresses and this algorithm cannot."""
+        codec = codec or Codec()
+        options: dict[str, Any] = dict(self.params)
+        if self.compresses:
+            options["codec"] = codec
+        elif codec.name != "none":
+            raise ValueError(
+                f"--compression {codec} needs --algorithm choco: {self.name} sends whole models, "
+                "and only CHOCO's replicas keep convergence under a lossy codec"
+            )
         if "staleness" in options:
             options["max_staleness"] = options.pop("staleness")
         if "interval_ms" in options:

@@ -13,6 +13,7 @@ import logging
 import statistics
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -97,6 +98,7 @@ class Averager:
         self._scratch = scratch_for(params)
         self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
         self._last_start: float | None = None
+        self._silent: set[str] = set()  # neighbours not waited for until heard from again
 
     def after_step(self) -> RoundStats | None:
         """Called by the training loop after its local steps; returns the round's figures when
@@ -128,6 +130,18 @@ class Averager:
         if self._last_start is not None:
             self._round_times.append(now - self._last_start)
         self._last_start = now
+
+    def _heard_from(self, sender: str) -> None:
+        """Any message shows a neighbour is alive: wait for it again."""
+        self._silent.discard(sender)
+
+    def _went_silent(self, nodes: Iterable[str]) -> None:
+        """Neighbours that sent nothing in time: have the failure detector probe them now (once)
+        and do not wait for them again until they are heard from, so a dead peer costs one wait,
+        not one per round, until the membership drops it."""
+        for node in set(nodes) - self._silent:
+            self.peer.missed(node)
+            self._silent.add(node)
 
     def _row(self, r: int) -> MixingRow:
         """This node's row of round ``r``, from the membership of that round."""

@@ -13,9 +13,8 @@ Stragglers: with ``backup=k`` a round proceeds as soon as k of its d neighbours'
 mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
 rest left with the node itself (an old value says less about where the mesh is now).
 
-Waits come from measured round times (see ``Averager.wait_limit``). A neighbour that misses a
-round is not waited for again until any message of its arrives, so a dead peer costs one wait,
-not one per round, until the membership drops it; it is reported to the failure detector.
+Waits come from measured round times (see ``Averager.wait_limit``); a neighbour that misses a
+round is not waited for again until it is heard from (``Averager._went_silent``).
 """
 
 from __future__ import annotations
@@ -68,7 +67,6 @@ class DPSGD(Averager):
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, np.ndarray]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, np.ndarray]] = {}  # newest late value of each sender
-        self._not_waited: set[str] = set()
 
     def after_step(self) -> RoundStats:
         return self.average()
@@ -94,7 +92,7 @@ class DPSGD(Averager):
         got = self._early.pop(r, {})
         neighbours = set(row.receive_from)
         enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
-        waiting = neighbours - got.keys() - self._not_waited
+        waiting = neighbours - got.keys() - self._silent
         deadline = time.monotonic() + self.wait_limit()
         timed_out = False
         while waiting and len(neighbours & got.keys()) < enough:
@@ -111,10 +109,7 @@ class DPSGD(Averager):
         while (message := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
             self._file(message, r, got)
         if timed_out:
-            silent = neighbours - got.keys()
-            for node in silent - self._not_waited:
-                self.peer.missed(node)  # the failure detector probes it now rather than in its turn
-            self._not_waited |= silent
+            self._went_silent(neighbours - got.keys())
         values = {j: (got[j], 0) for j in neighbours if j in got}
         for j in neighbours - got.keys():
             if j in self._recent and self._fresh(self._recent[j][0], r):
@@ -126,7 +121,7 @@ class DPSGD(Averager):
         if not self._valid(message):
             return
         sender = message.sender
-        self._not_waited.discard(sender)  # it is alive: wait for it again
+        self._heard_from(sender)
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
         elif message.round == r:

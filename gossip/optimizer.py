@@ -13,8 +13,10 @@ import torch
 
 from gossip.algorithms import Algorithm
 from gossip.averager import RoundStats
+from gossip.compression import Codec, parse_codec
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
+from gossip.outer import OuterNesterov
 from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
@@ -35,7 +37,13 @@ class GossipOptimizer:
         topology: the graph to average on: a ``topologies.Topology`` or its spelling
             (``"ring"``, ``"random-regular:degree=4"``, ``"file:graph.json"``...); None: the
             algorithm's usual one (``one-peer-exponential`` for sgp, ``ring`` otherwise).
-        average_every: local steps between gossip rounds.
+        average_every: local steps between gossip rounds (H).
+        compression: the codec for what is sent: a ``gossip.compression.Codec`` or its spelling
+            (``"int8"``, ``"topk:0.01"``...); anything but ``"none"`` needs ``algorithm="choco"``.
+        outer_lr: with a value, local-steps training as DiLoCo: every H steps the gossip-mixed
+            change is applied by an outer Nesterov step with this learning rate
+            (``gossip.outer``); None: the mixed parameters are taken as they are.
+        outer_momentum: the outer step's Nesterov momentum.
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while parameters are written (local step and mixing), so another thread can
             evaluate the model consistently.
@@ -49,6 +57,9 @@ class GossipOptimizer:
         algorithm: Algorithm | str = "dpsgd",
         topology: Topology | str | None = None,
         average_every: int = 1,
+        compression: Codec | str = "none",
+        outer_lr: float | None = None,
+        outer_momentum: float = 0.9,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
     ) -> None:
@@ -66,8 +77,14 @@ class GossipOptimizer:
         graph = (
             topology if isinstance(topology, Topology) else Topology.parse(topology or spec.default_topology)
         )
+        codec = compression if isinstance(compression, Codec) else parse_codec(compression)
         self.averager = spec.build(
-            peer, self.flat.array, topology=graph, round_timeout=round_timeout, lock=lock
+            peer, self.flat.array, topology=graph, round_timeout=round_timeout, lock=lock, codec=codec
+        )
+        self.outer = (
+            OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
+            if outer_lr is not None
+            else None
         )
         self._rounds_at_start = 0
         self._started: float | None = None
@@ -80,6 +97,9 @@ class GossipOptimizer:
         self.local_steps += 1
         if self.local_steps % self.average_every == 0:
             self.last_round = self.averager.after_step()
+            if self.outer is not None:
+                with self._lock:
+                    self.outer.step(self.flat.array)
         return loss
 
     def close(self) -> None:
@@ -142,6 +162,8 @@ class GossipOptimizer:
         lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
         self.averager.restart(first_round)
+        if self.outer is not None:
+            self.outer.reset(self.flat.array)
         self._rounds_at_start = first_round
         self.peer.start_at_round(first_round)
         return first_round

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import topologies
-from gossip import ALGORITHMS, Algorithm, AlgorithmError
+from gossip import ALGORITHMS, CODECS, Algorithm, AlgorithmError, parse_codec
 from p2p.address import AddressError, check_node_id, parse_endpoint
 from p2p.membership import PROFILES
 from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_leave, parse_pause
@@ -86,7 +86,16 @@ class TrainConfig:
         32, "the batch size --lr is for: other batch sizes scale it in proportion", parse=int
     )
     seed: int = _option(0, "seed for the model, data split and sampling", parse=int)
-    average_every: int = _option(1, "local steps between gossip rounds", parse=int)
+    average_every: int = _option(1, "local steps between gossip rounds (plain local SGD)", parse=int)
+    compression: str = _option("none", f"codec for what choco sends: {', '.join(CODECS)}", metavar="CODEC")
+    local_steps: int | None = _option(
+        None,
+        "DiLoCo: H local steps, then gossip and an outer Nesterov step on the mixed change",
+        parse=int,
+        metavar="H",
+    )
+    outer_lr: float = _option(0.7, "the outer learning rate with --local-steps", parse=float)
+    outer_momentum: float = _option(0.9, "the outer Nesterov momentum with --local-steps", parse=float)
     round_timeout: float = _option(2.0, "longest wait for a neighbour in a round, s", parse=float)
     compute_ms: float = _option(
         0.0, "emulated step time: each step lasts at least this long, ms", parse=float
@@ -98,13 +107,28 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.task in TASKS, "--task", f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
         try:
-            usual_topology = Algorithm.parse(self.algorithm).default_topology
+            algorithm = Algorithm.parse(self.algorithm)
         except AlgorithmError as exc:
             raise ConfigError(f"--algorithm: {exc}") from None
+        usual_topology = algorithm.default_topology
         try:
-            topologies.Topology.parse(self.topology or usual_topology)
+            codec = parse_codec(self.compression)
+        except ValueError as exc:
+            raise ConfigError(f"--compression: {exc}") from None
+        _check(
+            codec.name == "none" or algorithm.compresses,
+            "--compression",
+            f"{self.compression} needs --algorithm choco (CHOCO-SGD); {algorithm.name} sends whole models",
+        )
+        try:
+            graph = topologies.Topology.parse(self.topology or usual_topology)
         except topologies.TopologyError as exc:
             raise ConfigError(f"--topology: {exc}") from None
+        _check(
+            not algorithm.compresses or not (graph.family.time_varying or graph.family.directed),
+            "--topology",
+            f"choco needs a static undirected graph (ring, torus, exponential...), not {graph}",
+        )
         if self.partition != "iid":
             try:
                 parse_dirichlet(self.partition)
@@ -120,6 +144,19 @@ class TrainConfig:
         _check(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
         _check(self.reference_batch >= 1, "--reference-batch", f"must be >= 1, got {self.reference_batch}")
         _check(self.average_every >= 1, "--average-every", f"must be >= 1, got {self.average_every}")
+        if self.local_steps is not None:
+            _check(self.local_steps >= 1, "--local-steps", f"must be >= 1, got {self.local_steps}")
+            _check(
+                self.average_every == 1,
+                "--local-steps",
+                "give --local-steps (with the outer step) or --average-every (without), not both",
+            )
+        _check(_finite(self.outer_lr) > 0, "--outer-lr", f"must be > 0, got {self.outer_lr}")
+        _check(
+            0 <= _finite(self.outer_momentum) < 1,
+            "--outer-momentum",
+            f"must be in [0, 1), got {self.outer_momentum}",
+        )
         _check(
             self.profile in PROFILES,
             "--profile",

@@ -56,7 +56,10 @@ class Trainer:
             peer=peer,
             algorithm=config.algorithm,
             topology=config.graph,
-            average_every=config.average_every,
+            average_every=config.local_steps or config.average_every,
+            compression=config.compression,
+            outer_lr=config.outer_lr if config.local_steps else None,
+            outer_momentum=config.outer_momentum,
             round_timeout=config.round_timeout,
             lock=self.lock,
         )

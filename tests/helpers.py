@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from gossip import Algorithm, PeerNetwork
+from gossip import Algorithm, PeerNetwork, parse_codec
 from p2p import Peer
 from runtime.launcher import free_ports
 from topologies import Topology
@@ -48,6 +48,7 @@ def average_in_threads(
     timeout: float = 5.0,
     history: list[list[np.ndarray]] | None = None,
     algorithm: str = "dpsgd",
+    compression: str = "none",
 ) -> list[list[float]]:
     """Run ``rounds`` rounds of pure averaging (no training) on every peer at once; returns
     round durations. With ``history``, node i's vector after each round is appended to
@@ -59,7 +60,12 @@ def average_in_threads(
     def run(i: int) -> None:
         try:
             averager = spec.build(
-                peers[i], vectors[i], topology=Topology.parse(topology), round_timeout=timeout, lock=None
+                peers[i],
+                vectors[i],
+                topology=Topology.parse(topology),
+                round_timeout=timeout,
+                lock=None,
+                codec=parse_codec(compression),
             )
             for _ in range(rounds):
                 started = time.monotonic()

@@ -1,0 +1,281 @@
+"""Compression: each codec's round trip and its checks on what it receives, CHOCO's public copies
+(error feedback, lost messages) over the in-memory network, and CHOCO / local-steps meshes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import average_in_threads
+
+from gossip import CHOCO, Algorithm, CodecError, consensus_distance, parse_codec
+from gossip.compression import INT8_BLOCK, Codec
+from gossip.outer import OuterNesterov
+from p2p.memory import MemoryNetwork, MemoryPeer
+from topologies import Topology
+
+NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
+N = 10_000
+
+
+def vector(seed: int = 0, n: int = N) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * 3).astype(np.float32)
+
+
+def round_trip(spec: str, x: np.ndarray) -> tuple[np.ndarray, int]:
+    codec = parse_codec(spec, seed=1)
+    encoded = codec.encode(x)
+    decoded = codec.decode(encoded.frames, encoded.meta, x.size)
+    assert decoded.dtype == np.float32 and decoded.shape == x.shape
+    return decoded, encoded.nbytes
+
+
+def test_none_is_bit_exact() -> None:
+    x = vector()
+    decoded, nbytes = round_trip("none", x)
+    assert np.array_equal(decoded, x) and nbytes == 4 * N
+
+
+def test_fp16_and_bf16_round_to_nearest_within_half_an_ulp() -> None:
+    x = vector()
+    half, nbytes = round_trip("fp16", x)
+    assert nbytes == 2 * N
+    np.testing.assert_allclose(half, x, rtol=2**-11, atol=1e-7)
+    brain, nbytes = round_trip("bf16", x)
+    assert nbytes == 2 * N
+    np.testing.assert_allclose(brain, x, rtol=2**-8, atol=0)
+    ties = np.array([1 + 2**-8, 1 + 3 * 2**-8, -2.5], dtype=np.float32)  # ties go to the even mantissa
+    assert round_trip("bf16", ties)[0].tolist() == [1.0, 1 + 2**-6, -2.5]
+
+
+def test_half_precision_codecs_keep_huge_values_finite() -> None:
+    huge = np.array([1e6, -3.4e38, np.finfo(np.float32).max], dtype=np.float32)
+    assert round_trip("fp16", huge)[0].tolist() == [65504.0, -65504.0, 65504.0]
+    assert np.isfinite(round_trip("bf16", huge)[0]).all()
+
+
+def test_int8_error_is_within_half_a_step_of_its_block_scale() -> None:
+    x = vector()
+    x[:INT8_BLOCK] = 0.0  # an all-zero block decodes to zeros
+    decoded, nbytes = round_trip("int8", x)
+    assert nbytes == N + 4 * -(-N // INT8_BLOCK)
+    assert 4 * N / nbytes > 3.9
+    blocks = -(-N // INT8_BLOCK)
+    padded = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
+    padded[:N] = x
+    step = np.repeat(np.abs(padded.reshape(blocks, -1)).max(axis=1) / 127, INT8_BLOCK)[:N]
+    assert (np.abs(decoded - x) <= step / 2 + 1e-6).all()
+    assert not decoded[:INT8_BLOCK].any()
+
+
+@pytest.mark.parametrize(
+    ("fraction", "form", "nbytes"), [(0.01, "index", 100 * 8), (0.2, "bitmap", N // 8 + 2000 * 4)]
+)
+def test_topk_keeps_exactly_the_largest_in_the_cheaper_format(
+    fraction: float, form: str, nbytes: int
+) -> None:
+    x = vector()
+    codec = parse_codec(f"topk:{fraction}")
+    encoded = codec.encode(x)
+    assert encoded.meta == {"sparse": form} and encoded.nbytes == nbytes
+    decoded = codec.decode(encoded.frames, encoded.meta, N)
+    k = round(fraction * N)
+    largest = np.argsort(-np.abs(x))[:k]
+    assert np.array_equal(np.flatnonzero(decoded), np.sort(largest))
+    assert np.array_equal(decoded[largest], x[largest])
+
+
+def test_randk_keeps_k_exact_values_at_random_positions() -> None:
+    x = vector()
+    codec = parse_codec("randk:0.05", seed=3)
+    first, second = (codec.encode(x) for _ in range(2))
+    kept = [np.flatnonzero(codec.decode(e.frames, e.meta, N)) for e in (first, second)]
+    assert all(k.size == 500 for k in kept) and not np.array_equal(kept[0], kept[1])
+    decoded = codec.decode(first.frames, first.meta, N)
+    assert np.array_equal(decoded[kept[0]], x[kept[0]])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("gzip", "unknown compression 'gzip'; choose one of: none, fp16"),
+        ("topk", "topk needs a fraction of elements to keep, e.g. topk:0.01"),
+        ("randk:0", "randk: the fraction must be in (0, 1], got 0.0"),
+        ("topk:1.5", "topk: the fraction must be in (0, 1], got 1.5"),
+        ("int8:3", "unknown compression 'int8:3'"),
+    ],
+)
+def test_bad_compression_specs_say_what_is_accepted(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_codec(spec)
+
+
+def _bitmap(bits: list[int]) -> list[np.ndarray]:
+    return [np.array(bits, dtype=np.uint8), np.ones(2, dtype=np.float32)]
+
+
+def _index(positions: list[int], values: list[float]) -> list[np.ndarray]:
+    return [np.array(positions, dtype=np.uint32), np.array(values, dtype=np.float32)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "frames", "meta", "reason"),
+    [
+        ("none", [np.zeros(9, np.float32)], {}, "codec_shape"),
+        ("none", [np.zeros(10, np.float64)], {}, "codec_shape"),
+        ("int8", [np.zeros(10, np.int8)], {}, "codec_frames"),
+        ("int8", [np.zeros(10, np.int8), np.array([np.inf], np.float32)], {}, "non_finite"),
+        ("topk:0.2", _index([1, 12], [1.0, 2.0]), {"sparse": "index"}, "codec_index"),
+        ("topk:0.2", _index([3, 3], [1.0, 2.0]), {"sparse": "index"}, "codec_index"),
+        ("topk:0.2", _index([1, 2], [1.0, np.nan]), {"sparse": "index"}, "non_finite"),
+        ("topk:0.2", _index([1, 2], [1.0, 2.0]), {"sparse": "zip"}, "codec_format"),
+        ("topk:0.2", _bitmap([0b111, 0]), {"sparse": "bitmap"}, "codec_index"),  # 3 marked, 2 values
+        ("topk:0.2", _bitmap([0b11, 0b1000000]), {"sparse": "bitmap"}, "codec_index"),  # bit 14 of 10
+    ],
+)  # fmt: skip
+def test_malformed_compressed_vectors_are_refused_with_a_reason(
+    spec: str, frames: list[np.ndarray], meta: dict[str, str], reason: str
+) -> None:
+    with pytest.raises(CodecError) as error:
+        parse_codec(spec).decode(frames, meta, 10)
+    assert error.value.reason == reason
+
+
+# -- CHOCO over the in-memory network ---------------------------------------------------------
+
+
+def test_the_public_copy_takes_in_what_compression_dropped() -> None:
+    """Error feedback: each round sends the top 10% of x - x̂ and the rest stays in the residual,
+    so a lone node's public copy catches up with its model's change."""
+    x = vector(n=2000)
+    choco = CHOCO(
+        MemoryNetwork().join("solo"), x, topology=Topology.parse("ring"), codec=parse_codec("topk:0.1")
+    )
+    x += vector(seed=1, n=2000)  # a local step the public copy has not seen
+    residuals = [np.abs(x - choco.public).sum()]
+    for _ in range(10):
+        before = x - choco.public
+        choco.after_step()
+        after = x - choco.public
+        sent = after != before
+        assert np.count_nonzero(sent) == 200
+        assert (np.abs(after[sent]) <= 1e-6 * np.abs(x[sent])).all()  # what was sent is no longer owed
+        assert np.array_equal(after[~sent], before[~sent])  # ... and nothing else was lost
+        residuals.append(np.abs(after).sum())
+    assert all(b < a for a, b in itertools.pairwise(residuals))
+    assert residuals[-1] < 1e-6 * residuals[0]  # 10 rounds of 10% cover every element
+
+
+@pytest.mark.parametrize(("compression", "rounds"), [("int8", 150), ("topk:0.1", 400)])
+def test_choco_pure_averaging_keeps_the_mean_and_reaches_it(compression: str, rounds: int) -> None:
+    network = MemoryNetwork()
+    peers = [network.join(f"node-{i}") for i in range(8)]
+    vectors = [vector(seed, 500) + 5 for seed in range(8)]
+    target = np.mean(vectors, axis=0)
+    average_in_threads(
+        peers, vectors, topology="ring", rounds=rounds, algorithm="choco", compression=compression
+    )
+    np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-4)
+    assert consensus_distance(vectors) < 1e-4
+
+
+class LosesOneUpdate:
+    """A node's endpoint that loses its round-5 q to node-1, as a reset connection would."""
+
+    def __init__(self, peer: MemoryPeer) -> None:
+        self._peer = peer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def send(self, to: str, kind: str, round: int, tensors: Any = (), meta: Any = None) -> None:
+        if not (kind == "choco" and round == 5 and to == "node-1"):
+            self._peer.send(to, kind, round, tensors, meta)
+
+
+def test_a_lost_update_is_repaired_with_a_full_copy() -> None:
+    network = MemoryNetwork()
+    peers: list[Any] = [
+        network.join("node-0"),
+        network.join("node-1"),
+        LosesOneUpdate(network.join("node-2")),
+    ]
+    vectors = [vector(seed, 300) for seed in range(3)]
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=parse_codec("int8"))
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    threads = [threading.Thread(target=lambda c=c: [c.after_step() for _ in range(20)]) for c in choco]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for holder in (0, 1):
+        held = choco[holder]._replicas["node-2"]
+        assert held.value is not None and np.array_equal(held.value, choco[2].public)
+    assert choco[2].full_copies_sent == 3  # one to each neighbour at the start, one after the gap
+
+
+def test_outer_nesterov_step_matches_its_definition() -> None:
+    params = np.array([1.0, 2.0], dtype=np.float32)
+    outer = OuterNesterov(params, lr=0.5, momentum=0.9)
+    params[:] = [0.0, 2.0]  # mixed after H inner steps: pseudo-gradient (1, 0)
+    outer.step(params)
+    np.testing.assert_allclose(params, [1 - 0.5 * (1 + 0.9 * 1), 2.0], rtol=1e-6)  # v = g; g + μ v
+    params -= [0.1, 0.0]  # pseudo-gradient (0.1, 0): v = 0.9 + 0.1
+    outer.step(params)
+    np.testing.assert_allclose(params, [0.05 - 0.5 * (0.1 + 0.9 * 1.0), 2.0], rtol=1e-6)
+
+
+def test_compression_needs_choco_and_choco_needs_a_static_graph() -> None:
+    network = MemoryNetwork()
+    with pytest.raises(ValueError, match="--compression int8 needs --algorithm choco"):
+        Algorithm.parse("dpsgd").build(
+            network.join("a"),
+            vector(),
+            topology=Topology.parse("ring"),
+            round_timeout=1,
+            lock=None,
+            codec=parse_codec("int8"),
+        )
+    with pytest.raises(ValueError, match="CHOCO needs a static undirected graph"):
+        CHOCO(network.join("b"), vector(), topology=Topology.parse("one-peer-exponential"), codec=Codec())
+
+
+# -- meshes ------------------------------------------------------------------------------------
+
+DPSGD_BYTES = 600 * 2 * 4 * 9610  # 600 rounds, a float32 model to each of 2 ring neighbours
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize(
+    ("flags", "fewer_bytes"),
+    [
+        (["--algorithm", "choco", "--compression", "int8"], 3.5),
+        (["--algorithm", "choco", "--compression", "topk:0.01"], 10),
+        (["--local-steps", "10"], 8),
+    ],
+)
+def test_compressed_and_local_steps_meshes_reach_the_target(
+    tmp_path: Path, flags: list[str], fewer_bytes: float
+) -> None:
+    report_path = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, NODE_PY, "mesh", "--report", str(report_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for node in json.loads(report_path.read_text())["nodes"]:
+        assert node["status"] == "finished" and node["steps"] == 600
+        assert node["final"]["accuracy"] >= 0.93, node["final"]
+        assert node["bytes_sent"] * fewer_bytes < DPSGD_BYTES, node["bytes_sent"]
+        assert node["timeline"][-1]["bytes_sent"] <= node["bytes_sent"]
