@@ -20,13 +20,10 @@ time to DDP's. A PNG shows the lowest node's accuracy against wall time for ever
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import multiprocessing
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from meshrun import quiet_mesh
 
-import node
-from runtime.launcher import free_ports
+from p2p.address import free_ports
 from runtime.pacing import StepPacer
 from tasks import batches, load_task
 
@@ -129,23 +126,11 @@ def run_ddp(nodes: int, duration: float, compute_ms: float, slowdown: float) -> 
 
 
 def run_gossip(algorithm: str, nodes: int, duration: float, compute_ms: float, slowdown: float) -> Arm:
-    with tempfile.TemporaryDirectory() as run_dir:
-        argv = ["mesh", "--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
-        argv += [
-            "--compute-ms",
-            f"{compute_ms:g}",
-            "--lr",
-            str(LR),
-            "--batch-size",
-            str(BATCH),
-            "--run-dir",
-            run_dir,
-        ]
-        if slowdown > 1:
-            argv += ["--slowdown", f"{nodes - 1}:{slowdown:g}"]
-        with contextlib.redirect_stdout(io.StringIO()):
-            node.main(argv)
-        report = json.loads((Path(run_dir) / "report.json").read_text())
+    argv = ["--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
+    argv += ["--compute-ms", f"{compute_ms:g}", "--lr", str(LR), "--batch-size", str(BATCH)]
+    if slowdown > 1:
+        argv += ["--slowdown", f"{nodes - 1}:{slowdown:g}"]
+    report = quiet_mesh(argv)
     start = max(n["t_first_step"] for n in report["nodes"])  # from when the whole mesh trains
     timelines = [
         [{**p, "t": round(p["t"] - start, 3)} for p in n["timeline"] if p["t"] >= start]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+from contextlib import ExitStack
 
 _TCP = re.compile(r"(?:tcp://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(?P<port>\d{1,5})\Z")
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -64,3 +65,12 @@ def resolve_all(endpoint: str) -> list[str]:
     except socket.gaierror as exc:
         raise AddressError(f"cannot resolve {host!r} in {endpoint}: {exc.strerror}") from None
     return sorted({f"tcp://{info[4][0]}:{port}" for info in infos})
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 right now (held together while picked, so all distinct)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]

@@ -6,6 +6,12 @@ the frames to the network thread, which sends them without blocking (a full or u
 drops the message and counts it). Received messages are decoded and validated on the network
 thread; valid ones go to a bounded inbox that :meth:`Transport.recv` reads with a timeout.
 
+A payload larger than ``chunk_bytes`` goes as a stream of chunks (``p2p.wire.encode_chunks``):
+the network thread feeds a peer's chunks to its socket as the socket takes them (waiting for
+room rather than dropping), so small messages to that peer still pass between chunks, and the
+receiver copies each chunk into place as it comes (``p2p.stream``). No ZeroMQ message exceeds
+``p2p.wire.MAX_CHUNK_BYTES``, which bounds what a peer can make a node buffer before checks.
+
 Protocol services (membership, later failure detection) run on the network thread too: they
 consume the message kinds they declare and get a periodic tick.
 """
@@ -29,10 +35,22 @@ import zmq
 
 from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
 from p2p.inbox import Inbox
-from p2p.wire import Limits, Message, WireError, decode, encode
+from p2p.stream import Assembler
+from p2p.wire import (
+    CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    Chunk,
+    Limits,
+    Message,
+    WireError,
+    decode,
+    encode,
+    encode_chunks,
+)
 
 _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
+MAX_STREAMS_PER_PEER = 4  # streams waiting for one peer's socket; more drop the oldest
 
 
 class TransportError(RuntimeError):
@@ -83,6 +101,7 @@ class Transport:
         send_queue: messages queued per peer before sends to it are dropped (ZMQ_SNDHWM).
         inbox_size: received messages held for the application before the oldest is dropped.
         linger_s: how long :meth:`close` lets queued messages drain.
+        chunk_bytes: payloads larger than this go as a stream of chunks of this size.
     """
 
     def __init__(
@@ -96,6 +115,7 @@ class Transport:
         send_queue: int = 64,
         inbox_size: int = 4096,
         linger_s: float = 1.0,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.node_id = check_node_id(node_id)
         self.listen = parse_endpoint(listen)
@@ -106,6 +126,10 @@ class Transport:
         self._inbox_kinds = None if inbox_kinds is None else frozenset(inbox_kinds)
         self._send_queue = send_queue
         self._linger_ms = int(linger_s * 1000)
+        self._chunk_bytes = chunk_bytes
+        self._assembler = Assembler()
+        self._streams: dict[str, deque[deque[list[Any]]]] = {}  # address -> streams left to send
+        self._poller = zmq.Poller()
         self._session = secrets.randbits(63)
         self._seq = itertools.count(1)
         self._send_order = threading.Lock()
@@ -176,17 +200,22 @@ class Transport:
 
         Tensors are sent from their own memory: do not modify them afterwards.
         """
+        fields: dict[str, Any] = {
+            "kind": kind,
+            "sender": self.node_id,
+            "round": round,
+            "tensors": tensors,
+            "meta": meta,
+        }
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
-            frames = encode(
-                kind=kind,
-                sender=self.node_id,
-                round=round,
-                tensors=tensors,
-                meta=meta,
-                session=self._session,
-                seq=next(self._seq),
-            )
-            self.call_soon(lambda: self._send_now(address, frames))
+            if sum(t.nbytes for t in tensors) <= self._chunk_bytes:
+                frames = encode(**fields, session=self._session, seq=next(self._seq))
+                self.call_soon(lambda: self._send_now(address, frames))
+            else:
+                chunks = encode_chunks(
+                    **fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes
+                )
+                self.call_soon(lambda: self._send_stream(address, chunks))
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         """The oldest inbox message (of one of ``kinds``, if given), or None after ``timeout``
@@ -214,7 +243,8 @@ class Transport:
 
     def _run(self) -> None:
         router = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + _HEADER_ALLOWANCE)
+        largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         router.setsockopt(zmq.LINGER, 0)
         try:
@@ -225,7 +255,7 @@ class Transport:
             self._startup_error = _bind_error(self.listen, exc)
             self._started.set()
             return
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         for fd in self._readers:
@@ -243,6 +273,8 @@ class Transport:
                 for fd, on_readable in self._readers.items():
                     if fd in events:
                         on_readable()
+                for address in [a for a, d in self._dealers.items() if d in events]:
+                    self._feed(address)
                 self._run_commands()
                 now = time.monotonic()
                 if now >= self._next_tick:
@@ -264,18 +296,31 @@ class Transport:
 
     def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
         try:
-            message = decode(frames, self.limits)
+            decoded = decode(frames, self.limits)
         except WireError as exc:
             self.stats.rejected[exc.reason] += 1
             return
-        if message.sender.encode() != routing_id:
+        envelope = decoded.message if isinstance(decoded, Chunk) else decoded
+        if envelope.sender.encode() != routing_id:
             self.stats.rejected["sender_mismatch"] += 1
             return
-        last = self._last_seq.get(message.sender)
-        if last is not None and last[0] == message.session and message.seq <= last[1]:
+        last = self._last_seq.get(envelope.sender)
+        if last is not None and last[0] == envelope.session and envelope.seq <= last[1]:
             self.stats.rejected["replayed"] += 1
             return
-        self._last_seq[message.sender] = (message.session, message.seq)
+        self._last_seq[envelope.sender] = (envelope.session, envelope.seq)
+        if isinstance(decoded, Chunk):
+            try:
+                assembled = self._assembler.add(decoded)
+            except WireError as exc:
+                self.stats.rejected[exc.reason] += 1
+                return
+            if assembled is not None:
+                self._deliver(assembled)
+        else:
+            self._deliver(decoded)
+
+    def _deliver(self, message: Message) -> None:
         self.stats.messages_received += 1
         service = self._services.get(message.kind)
         if service is not None:
@@ -294,6 +339,8 @@ class Transport:
         """Close the connection to ``address``, dropping what is queued (network thread only)."""
         dealer = self._dealers.pop(address, None)
         if dealer is not None:
+            if self._streams.pop(address, None):
+                self._poller.unregister(dealer)
             dealer.close(linger=0)
 
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
@@ -311,6 +358,34 @@ class Transport:
             return
         self.stats.messages_sent += 1
         self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
+
+    def _send_stream(self, address: str, chunks: list[list[Any]]) -> None:
+        streams = self._streams.setdefault(address, deque())
+        if len(streams) >= MAX_STREAMS_PER_PEER:
+            streams.popleft()  # its receiver discards the unfinished stream when the next begins
+            self.stats.dropped["stream_backlog"] += 1
+        streams.append(deque(chunks))
+        self._feed(address)
+
+    def _feed(self, address: str) -> None:
+        """Send the peer's waiting chunks while its socket takes them; then wait for room."""
+        streams = self._streams.get(address)
+        dealer = self._dealer(address)
+        while streams:
+            chunks = streams[0]
+            try:
+                dealer.send_multipart(chunks[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if dealer not in self._poller:
+                    self._poller.register(dealer, zmq.POLLOUT)
+                return
+            self.stats.bytes_sent += sum(_nbytes(f) for f in chunks.popleft())
+            if not chunks:
+                streams.popleft()
+                self.stats.messages_sent += 1
+        self._streams.pop(address, None)
+        if dealer in self._poller:
+            self._poller.unregister(dealer)
 
     def _open_dealer(self, address: str) -> zmq.Socket[bytes]:
         dealer = self._context.socket(zmq.DEALER)

@@ -10,14 +10,19 @@ buffers that alias the arrays and :func:`decode` returns arrays that alias the r
 so the payload is never copied by the codec. Decoding checks every field and limit before any
 array is built and raises :class:`WireError` with a machine-readable ``reason``; nothing from
 the network is ever unpickled.
+
+A payload larger than one chunk goes as a stream of chunk messages (:func:`encode_chunks`):
+each has the whole message's header plus ``"chunk": [index, count, offset]`` and, as frames,
+the slices of the tensors' memory that make up bytes ``offset...`` of the concatenated payload.
+``p2p.stream`` reassembles them; no ZeroMQ message is ever larger than :data:`MAX_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -30,10 +35,13 @@ MAX_TENSORS = 64
 MAX_NDIM = 8
 MAX_META_ITEMS = 32
 MAX_NAME_CHARS = 128
+CHUNK_BYTES = 8 << 20  # payloads above this go as a stream of chunks of this size
+MAX_CHUNK_BYTES = 16 << 20  # the largest payload of one ZeroMQ message a node accepts
 _U64 = 2**64 - 1
 
 _KIND = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
-_HEADER_KEYS = frozenset({"v", "kind", "sender", "session", "seq", "round", "tensors", "meta"})
+_HEADER_KEYS = frozenset({"v", "kind", "sender", "session", "seq", "round", "tensors", "meta", "chunk"})
+_OPTIONAL_KEYS = frozenset({"meta", "chunk"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "nbytes"})
 
 #: dtypes a tensor frame may carry; anything else is rejected before an array is built.
@@ -71,6 +79,30 @@ class Message:
     seq: int = 0
 
 
+TensorSpec = tuple[np.dtype, tuple[int, ...], int]  # dtype, shape, nbytes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a message sent as a stream: the message without its tensors, the tensors'
+    specs, and bytes ``offset...`` of their concatenated payload (``pieces``, in order)."""
+
+    message: Message
+    specs: tuple[TensorSpec, ...]
+    index: int
+    count: int
+    offset: int
+    pieces: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    @property
+    def total(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.specs)
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds a decoder enforces; the transport sets ``max_message_bytes`` from the model size."""
@@ -94,48 +126,101 @@ def encode(
     Tensors must be C-contiguous with a wire dtype; this is checked here because a silent copy
     would defeat the zero-copy path. The caller must not modify a tensor until it is sent.
     """
+    header, views = _header_and_views(kind, sender, round, tensors, meta, session)
+    return [msgpack.packb({**header, "seq": seq}, use_bin_type=True), *views]
+
+
+def encode_chunks(
+    *,
+    kind: str,
+    sender: str,
+    round: int,
+    tensors: Sequence[np.ndarray],
+    meta: Mapping[str, Any] | None = None,
+    session: int = 0,
+    seqs: Iterator[int],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> list[list[Any]]:
+    """The messages of a stream: frames of each chunk of at most ``chunk_bytes`` payload bytes,
+    slices of the tensors' own memory (no copy). Each chunk takes the next seq from ``seqs``."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    header, views = _header_and_views(kind, sender, round, tensors, meta, session)
+    total = sum(v.nbytes for v in views)
+    count = max(1, -(-total // chunk_bytes))
+    messages = []
+    for index in range(count):
+        start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, total)
+        pieces, position = [], 0
+        for view in views:
+            lo, hi = max(start, position), min(end, position + view.nbytes)
+            if lo < hi:
+                pieces.append(view[lo - position : hi - position])
+            position += view.nbytes
+        chunk_header = {**header, "seq": next(seqs), "chunk": [index, count, start]}
+        messages.append([msgpack.packb(chunk_header, use_bin_type=True), *pieces])
+    return messages
+
+
+def _header_and_views(
+    kind: str,
+    sender: str,
+    round: int,
+    tensors: Sequence[np.ndarray],
+    meta: Mapping[str, Any] | None,
+    session: int,
+) -> tuple[dict[str, Any], list[memoryview]]:
     if not _KIND.match(kind):
         raise ValueError(f"message kind {kind!r} must match {_KIND.pattern}")
     descriptors = []
-    frames: list[Any] = [b""]
+    views = []
     for array in tensors:
         dtype_name = _wire_dtype_name(array.dtype)
         if not array.flags.c_contiguous:
             raise ValueError("tensors must be C-contiguous; call np.ascontiguousarray first")
         descriptors.append({"dtype": dtype_name, "shape": list(array.shape), "nbytes": array.nbytes})
-        frames.append(array.reshape(-1).view(np.uint8).data)
+        views.append(array.reshape(-1).view(np.uint8).data)
     header: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "kind": kind,
         "sender": sender,
         "session": session,
-        "seq": seq,
         "round": round,
         "tensors": descriptors,
     }
     if meta:
         header["meta"] = dict(meta)
-    frames[0] = msgpack.packb(header, use_bin_type=True)
-    return frames
+    return header, views
 
 
-def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
-    """Validate and decode ``[header, *tensor_frames]`` (bytes, memoryviews or zmq.Frames)."""
+def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message | Chunk:
+    """Validate and decode ``[header, *tensor_frames]`` (bytes, memoryviews or zmq.Frames):
+    a whole message, or one chunk of a stream."""
     if not frames:
         raise WireError("frame_count", "empty message")
     header = _unpack_header(_buffer(frames[0]))
     descriptors = header["tensors"]
-    payload = frames[1:]
-    if len(descriptors) != len(payload):
-        raise WireError(
-            "frame_count", f"header describes {len(descriptors)} tensors, got {len(payload)} frames"
-        )
     if len(descriptors) > limits.max_tensors:
         raise WireError("too_large", f"{len(descriptors)} tensors > limit {limits.max_tensors}")
     specs = [_tensor_spec(d) for d in descriptors]
     total = sum(nbytes for _, _, nbytes in specs)
     if total > limits.max_message_bytes:
         raise WireError("too_large", f"{total} payload bytes > limit {limits.max_message_bytes}")
+    envelope = Message(
+        kind=header["kind"],
+        sender=header["sender"],
+        round=header["round"],
+        meta=header.get("meta", {}),
+        session=header["session"],
+        seq=header["seq"],
+    )
+    if "chunk" in header:
+        return _chunk(envelope, tuple(specs), header["chunk"], [_buffer(f) for f in frames[1:]])
+    payload = frames[1:]
+    if len(descriptors) != len(payload):
+        raise WireError(
+            "frame_count", f"header describes {len(descriptors)} tensors, got {len(payload)} frames"
+        )
     tensors = []
     for (dtype, shape, nbytes), frame in zip(specs, payload, strict=True):
         buffer = _buffer(frame)
@@ -145,15 +230,19 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
         array = array.reshape(shape)
         array.flags.writeable = False
         tensors.append(array)
-    return Message(
-        kind=header["kind"],
-        sender=header["sender"],
-        round=header["round"],
-        tensors=tuple(tensors),
-        meta=header.get("meta", {}),
-        session=header["session"],
-        seq=header["seq"],
-    )
+    return replace(envelope, tensors=tuple(tensors))
+
+
+def _chunk(envelope: Message, specs: tuple[TensorSpec, ...], place: Any, pieces: list[memoryview]) -> Chunk:
+    if not (isinstance(place, list) and len(place) == 3 and all(_is_uint(v, _U64) for v in place)):
+        raise WireError("header_schema", f"chunk must be [index, count, offset], got {place!r}")
+    index, count, offset = place
+    chunk = Chunk(envelope, specs, index, count, offset, tuple(pieces))
+    if not index < count <= max(1, chunk.total) or offset + chunk.nbytes > chunk.total:
+        raise WireError("chunk", f"chunk {index} of {count} at {offset} does not fit {chunk.total} bytes")
+    if chunk.nbytes > MAX_CHUNK_BYTES or (chunk.nbytes == 0 and chunk.total > 0):
+        raise WireError("chunk", f"a chunk carries {chunk.nbytes} bytes (1 to {MAX_CHUNK_BYTES})")
+    return chunk
 
 
 def _wire_dtype_name(dtype: np.dtype) -> str:
@@ -187,7 +276,7 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise WireError("header_schema", f"header is a {type(header).__name__}, not a map")
     keys = set(header)
-    missing = _HEADER_KEYS - {"meta"} - keys
+    missing = _HEADER_KEYS - _OPTIONAL_KEYS - keys
     if missing or not keys <= _HEADER_KEYS:
         raise WireError(
             "header_schema", f"missing keys {sorted(missing)}, unknown keys {sorted(keys - _HEADER_KEYS)}"
@@ -210,7 +299,7 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     return header
 
 
-def _tensor_spec(descriptor: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+def _tensor_spec(descriptor: Any) -> TensorSpec:
     if not isinstance(descriptor, dict) or set(descriptor) != _TENSOR_KEYS:
         raise WireError("header_schema", f"tensor descriptor must have keys {sorted(_TENSOR_KEYS)}")
     dtype = WIRE_DTYPES.get(descriptor["dtype"]) if isinstance(descriptor["dtype"], str) else None

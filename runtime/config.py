@@ -90,7 +90,9 @@ class TrainConfig:
     compression: str = _option("none", f"codec for what choco sends: {', '.join(CODECS)}", metavar="CODEC")
     local_steps: int | None = _option(
         None,
-        "DiLoCo: H local steps, then gossip and an outer Nesterov step on the mixed change",
+        "DiLoCo: H local steps, then gossip and an outer Nesterov step on the mixed change "
+        "(for H of 10 and more: with a few steps the outer momentum compounds the inner one; "
+        "use --average-every there)",
         parse=int,
         metavar="H",
     )

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import selectors
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
 from gossip import consensus_distance
+from p2p.address import free_ports
 from runtime.chaos import ChaosAction
 from runtime.config import MeshConfig, as_flags, summary
 from runtime.console import LiveTable
@@ -157,15 +157,6 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     write_json(report_path, report)
     _print_summary(stream, mesh.nodes, results, report, report_path)
     return 0 if len(ended) == len(results) else 1
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 right now (held together while picked, so all distinct)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 def _watch(mesh: Mesh, schedule: list[ChaosAction], stop: threading.Event, table: LiveTable) -> None:

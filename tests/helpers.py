@@ -6,12 +6,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
 from gossip import Algorithm, PeerNetwork, parse_codec
 from p2p import Peer
-from runtime.launcher import free_ports
+from p2p.address import free_ports
 from topologies import Topology
 
 
@@ -115,3 +116,10 @@ def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return condition()
+
+
+def peak_memory() -> int:
+    """This process's peak resident memory in bytes (VmHWM: unlike ru_maxrss, not inherited
+    from the parent of a spawned process)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024

@@ -1,0 +1,108 @@
+"""Bytes against accuracy: each compression mode and local-steps setting against uncompressed D-PSGD.
+
+Every arm trains the same task, model, learning rate and number of local steps on a real local
+mesh (separate processes, ring topology). Reported per arm: bytes sent per node and gossip
+rounds until every node reaches the target held-out accuracy (each node counted at its first
+timeline point at or above the target), the lowest final accuracy, and the ratios against the
+``dpsgd`` arm: how many times fewer bytes and rounds, and the accuracy lost in points. The
+compressed arms run CHOCO-SGD with its default consensus step size unless the arm names one
+(γ); ``H=...`` arms take H local steps between gossip rounds with the outer Nesterov step.
+
+    python bench/compression.py [--nodes 8] [--steps 800] [--target 0.93] [--arms dpsgd,int8,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from meshrun import quiet_mesh
+
+ARMS: dict[str, list[str]] = {
+    "dpsgd": [],
+    "fp16": ["--algorithm", "choco", "--compression", "fp16"],
+    "bf16": ["--algorithm", "choco", "--compression", "bf16"],
+    "int8": ["--algorithm", "choco", "--compression", "int8"],
+    "topk:0.1": ["--algorithm", "choco", "--compression", "topk:0.1"],
+    "topk:0.01": ["--algorithm", "choco", "--compression", "topk:0.01"],
+    "topk:0.01@γ0.05": ["--algorithm", "choco:gamma=0.05", "--compression", "topk:0.01"],
+    "randk:0.1": ["--algorithm", "choco", "--compression", "randk:0.1"],
+    "H=10": ["--local-steps", "10"],
+    "H=50": ["--local-steps", "50"],
+    "H=10+int8": ["--local-steps", "10", "--algorithm", "choco", "--compression", "int8"],
+}
+
+
+@dataclass
+class Result:
+    arm: str
+    nodes: list[dict[str, Any]]
+    seconds: float
+
+    def first_at(self, target: float, key: str) -> float:
+        """Mean over nodes of ``key`` at each node's first point at or above ``target``
+        (inf when some node never got there)."""
+        values = []
+        for node in self.nodes:
+            point = next((p for p in node["timeline"] if p["accuracy"] >= target), None)
+            if point is None:
+                return math.inf
+            values.append(point[key])
+        return sum(values) / len(values)
+
+    @property
+    def final(self) -> float:
+        return min(n["final"]["accuracy"] for n in self.nodes)
+
+    @property
+    def total_mb(self) -> float:
+        return sum(n["bytes_sent"] for n in self.nodes) / len(self.nodes) / 1e6
+
+
+def table(results: list[Result], target: float) -> list[str]:
+    base = next(r for r in results if r.arm == "dpsgd")
+    base_bytes, base_rounds = base.first_at(target, "bytes_sent"), base.first_at(target, "round")
+    lines = [
+        f"{'arm':<16} {'MB to target':>12} {'x fewer':>8} {'rounds':>7} {'x fewer':>8} "
+        f"{'final acc':>9} {'loss pts':>8} {'MB total':>9} {'run s':>6}"
+    ]
+    for r in results:
+        mb, rounds = r.first_at(target, "bytes_sent") / 1e6, r.first_at(target, "round")
+        lines.append(
+            f"{r.arm:<16} {mb:>12.2f} {base_bytes / 1e6 / mb:>8.1f} {rounds:>7.0f} "
+            f"{base_rounds / rounds:>8.1f} {r.final:>9.3f} {100 * (base.final - r.final):>8.1f} "
+            f"{r.total_mb:>9.2f} {r.seconds:>6.0f}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=800, help="local steps every node trains")
+    parser.add_argument("--target", type=float, default=0.93, help="held-out accuracy every node must reach")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
+    args = parser.parse_args()
+    chosen = ["dpsgd", *(a for a in args.arms.split(",") if a != "dpsgd")]
+    unknown = [a for a in chosen if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+
+    results = []
+    for arm in chosen:
+        started = time.monotonic()
+        report = quiet_mesh(["--nodes", str(args.nodes), "--steps", str(args.steps), *ARMS[arm]])
+        results.append(Result(arm, report["nodes"], time.monotonic() - started))
+        done = results[-1]
+        print(f"  {arm}: {done.seconds:.0f} s, lowest final accuracy {done.final:.3f}", flush=True)
+    print(f"\n{args.nodes} nodes, ring, {args.steps} local steps each, target {args.target} on every node")
+    print("\n".join(table(results, args.target)))
+
+
+if __name__ == "__main__":
+    main()

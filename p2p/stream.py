@@ -1,0 +1,92 @@
+"""Reassembly of messages that come as streams of chunks (see ``p2p.wire.encode_chunks``).
+
+Chunks of one sender arrive in order (one connection), so a stream is a sequence: chunk 0
+allocates the tensors (sizes already checked against the node's limits by the decoder), each
+next chunk is copied into place as it arrives, and the last one yields the whole message. The
+copy from the socket's frame into the tensor is the only one on the receiving side, and it
+overlaps with the next chunk's transfer. A chunk out of sequence (one was dropped on the way,
+or the sender restarted) discards its stream; a new stream from the same sender replaces an
+unfinished one. Memory: one message being assembled per sender.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import replace
+
+import numpy as np
+
+from p2p.wire import Chunk, Message, WireError
+
+
+class _Stream:
+    def __init__(self, first: Chunk) -> None:
+        self.first = first
+        self.tensors = [np.empty(shape, dtype) for dtype, shape, _ in first.specs]
+        self._views = [t.reshape(-1).view(np.uint8) for t in self.tensors]
+        self._ends = list(itertools.accumulate(v.size for v in self._views))
+        self.received = 0  # payload bytes copied in
+        self.next_index = 0
+
+    def continues(self, chunk: Chunk) -> bool:
+        head, message = self.first.message, chunk.message
+        return (
+            chunk.index == self.next_index
+            and chunk.offset == self.received
+            and chunk.count == self.first.count
+            and chunk.specs == self.first.specs
+            and (message.kind, message.round, message.session) == (head.kind, head.round, head.session)
+        )
+
+    def write(self, chunk: Chunk) -> None:
+        """Copy the chunk's pieces to their place in the tensors."""
+        for piece in chunk.pieces:
+            data = np.frombuffer(piece, dtype=np.uint8)
+            while data.size:
+                i = bisect.bisect_right(self._ends, self.received)
+                view = self._views[i]
+                start = self.received - (self._ends[i] - view.size)
+                n = min(data.size, view.size - start)
+                view[start : start + n] = data[:n]
+                data = data[n:]
+                self.received += n
+        self.next_index += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.next_index == self.first.count
+
+
+class Assembler:
+    """Streams being received, one per sender."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, chunk: Chunk) -> Message | None:
+        """Take one chunk; the whole message once its last chunk is in. Raises WireError
+        (reason ``chunk_sequence``) for a chunk that does not continue its sender's stream."""
+        sender = chunk.message.sender
+        if chunk.index == 0:
+            self._streams[sender] = _Stream(chunk)
+        stream = self._streams.get(sender)
+        if stream is None or not stream.continues(chunk):
+            self._streams.pop(sender, None)
+            raise WireError("chunk_sequence", f"chunk {chunk.index} of {chunk.count} out of sequence")
+        stream.write(chunk)
+        if not stream.complete:
+            return None
+        del self._streams[sender]
+        if stream.received != chunk.total:
+            raise WireError(
+                "chunk_sequence", f"{stream.received} of {chunk.total} bytes in {chunk.count} chunks"
+            )
+        for tensor in stream.tensors:
+            tensor.flags.writeable = False
+        return replace(chunk.message, tensors=tuple(stream.tensors))
+
+    @property
+    def in_progress(self) -> int:
+        """Streams started and not finished."""
+        return len(self._streams)
