@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from gossip import consensus_distance
+from runtime import report_view
 from runtime.chaos import ChaosAction
 from runtime.config import MeshConfig, as_flags, summary
 from runtime.console import LiveTable
@@ -156,6 +157,10 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     report["chaos_events"] = mesh.chaos
     write_json(report_path, report)
     _print_summary(stream, mesh.nodes, results, report, report_path)
+    if config.plot != "none":
+        plot_path = report_path.with_suffix(".png") if config.plot == "auto" else Path(config.plot)
+        report_view.plot(report, plot_path)
+        print(f"plot: {plot_path}", file=stream, flush=True)
     return 0 if len(ended) == len(results) else 1
 
 
