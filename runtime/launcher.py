@@ -76,6 +76,7 @@ class Mesh:
             *(["--bootstrap", bootstrap] if bootstrap else []),
             *as_flags(self.config),
             *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
+            *(["--metrics-port", str(self.config.metrics_port + rank)] if self.config.metrics_port else []),
         ]  # fmt: skip
         node.start(self.node_main, argv)
         self._selector.register(node.progress_fd, selectors.EVENT_READ, node)
