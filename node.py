@@ -53,8 +53,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     """Run one daemon until its steps or duration are spent or ``stop`` is set.
 
     The report (and the final parameters, if asked) are written whatever happens once the
-    node is listening. Raises TransportError / AddressError / TopologyError for what the user
-    must fix.
+    node is listening. Raises TransportError / AddressError / TopologyError / StatusServerError
+    for what the user must fix.
     """
     origin = config.clock_origin if config.clock_origin is not None else time.time()
 
@@ -76,8 +76,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         config, model, node_id=node_id, clock=clock, first_round=NOT_YET if announces_later else 0
     )
     metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
-    status = StatusServer(metrics, config.metrics_port) if config.metrics_port is not None else None
     metrics.peer = peer
+    status: StatusServer | None = None
 
     def cancelled() -> bool:
         metrics.beat()  # waiting for peers is the daemon's loop making progress
@@ -90,7 +90,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         say(
             config.progress, f"{node_id} listening on {peer.address}", event="listening", address=peer.address
         )
-        if status is not None:
+        if config.metrics_port is not None:
+            status = StatusServer(metrics, config.metrics_port)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
         peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=cancelled)
         ordered = member_order(peer.members())
@@ -111,7 +112,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     except Exception as exc:
         record.status = "failed"
         record.error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, TransportError | AddressError | TopologyError):
+        if isinstance(exc, TransportError | AddressError | TopologyError | StatusServerError):
             raise
         log.exception("training failed")
     finally:
