@@ -12,11 +12,9 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -27,12 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
 from p2p import AddressError, Peer, TransportError
-from p2p.address import split_endpoint
-from p2p.membership import NOT_YET, PROFILES
-from p2p.wire import Limits
-from runtime import topology_view
+from p2p.membership import NOT_YET
+from runtime import logs, report_view, topology_view
 from runtime.config import (
     ConfigError,
     MeshConfig,
@@ -43,18 +38,23 @@ from runtime.config import (
 )
 from runtime.console import emit, say
 from runtime.launcher import run_mesh
-from runtime.report import NodeRecord, build_report, write_json
+from runtime.metrics import NodeMetrics
+from runtime.peers import default_id, make_peer
+from runtime.report import NodeRecord, build_report, read_json, write_json
+from runtime.status_server import StatusServer, StatusServerError
 from runtime.trainer import Trainer
 from tasks import load_task
 from topologies import NAMES, TopologyError, analyze, member_order
+
+log = logging.getLogger(logs.NODE_LOGGER)
 
 
 def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     """Run one daemon until its steps or duration are spent or ``stop`` is set.
 
     The report (and the final parameters, if asked) are written whatever happens once the
-    node is listening. Raises TransportError / AddressError / TopologyError for what the user
-    must fix.
+    node is listening. Raises TransportError / AddressError / TopologyError / StatusServerError
+    for what the user must fix.
     """
     origin = config.clock_origin if config.clock_origin is not None else time.time()
 
@@ -66,54 +66,60 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         torch.set_num_threads(config.threads)
     task = load_task(config.task)
     model = task.model(config.seed)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    node_id = config.id or _default_id(config.listen)
+    node_id = config.id or default_id(config.listen)
     joins_running_mesh = bool(config.bootstrap or config.beacon) and config.expect == 0
     # A node takes part in gossip rounds only once it is ready to train (imports done, model and
     # optimizer built): members that start together wait for each other at round 0, so a node
     # that is seconds slower to start is not averaged around.
     announces_later = joins_running_mesh or config.expect > 1
-    peer = Peer(
-        node_id,
-        config.listen,
-        config.bootstrap,
-        advertise=config.advertise,
-        limits=Limits(max_message_bytes=max(model_bytes, STATE_CHUNK_BYTES)),
-        profile=PROFILES[config.profile],
-        clock=clock,
-        first_round=NOT_YET if announces_later else 0,
-        beacon_port=config.beacon,
-        mesh_name=config.mesh_name,
+    peer = make_peer(
+        config, model, node_id=node_id, clock=clock, first_round=NOT_YET if announces_later else 0
     )
+    metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
+    metrics.peer = peer
+    status: StatusServer | None = None
+
+    def cancelled() -> bool:
+        metrics.beat()  # waiting for peers is the daemon's loop making progress
+        return stop.is_set()
+
     peer.start()
     record = NodeRecord(id=node_id, rank=-1, address=peer.address)
     started = time.monotonic()
     try:
-        say(config.progress, f"{node_id} listening on {peer.address}")
-        peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=stop.is_set)
+        say(
+            config.progress, f"{node_id} listening on {peer.address}", event="listening", address=peer.address
+        )
+        if config.metrics_port is not None:
+            status = StatusServer(metrics, config.metrics_port)
+            say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
+        peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=cancelled)
         ordered = member_order(peer.members())
         record.rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
-        trainer = Trainer(config, task, model, peer, record, clock)
+        trainer = Trainer(config, task, model, peer, record, clock, metrics)
         if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
             trainer.join_running_mesh()
             record.t_joined = round(clock(), 3)
         elif announces_later:
             peer.start_at_round(0)
             expect = max(1, config.expect)
-            peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=stop.is_set)
+            peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
         if not stop.is_set():
             trainer.run(stop)
         record.status = "finished"
     except Exception as exc:
         record.status = "failed"
         record.error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, TransportError | AddressError | TopologyError):
+        if isinstance(exc, TransportError | AddressError | TopologyError | StatusServerError):
             raise
-        traceback.print_exc()
+        log.exception("training failed")
     finally:
+        metrics.leaving()
         peer.close()
+        if status is not None:
+            status.close()
         _count_network(record, peer)
         _save(config, record, model, peer.membership.events, time.monotonic() - started)
     return record
@@ -160,12 +166,6 @@ def _save_array(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _default_id(listen: str) -> str:
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
-    _, port = split_endpoint(listen)
-    return f"{host.strip('-.') or 'node'}-{port or os.getpid()}"
-
-
 # -- command line ---------------------------------------------------------------------------------
 
 
@@ -188,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start N daemons as separate processes on 127.0.0.1, show a live table, write a report.",
     )
     add_arguments(mesh, MeshConfig)
+    report = commands.add_parser(
+        "report",
+        help="summarize a run report and plot it",
+        description="Print where each node's time went and plot loss, accuracy, consensus distance "
+        "and bytes/s against wall time, with kills, joins and pauses marked.",
+    )
+    report.add_argument("run", type=Path, metavar="RUN.json", help="a report of gossipmesh mesh or node")
+    report.add_argument(
+        "--png", type=Path, metavar="FILE", help="the plot (default: RUN.png beside RUN.json)"
+    )
     topology = commands.add_parser(
         "topology",
         help="inspect a topology: degree, spectral gap, diameter, bytes per round; draw it",
@@ -214,13 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "topology":
             return _topology_command(args, parser)
+        if args.command == "report":
+            return _report_command(args.run, args.png or args.run.with_suffix(".png"))
         if args.command == "node":
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)
         mesh_config = parse_args_into(MeshConfig, args, os.environ)
         _preload_for_nodes()
         return run_mesh(mesh_config, node_main=main)
-    except (ConfigError, AddressError, TransportError, TopologyError) as exc:
+    except (ConfigError, AddressError, TransportError, TopologyError, StatusServerError) as exc:
         print(f"gossipmesh: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
 
@@ -249,6 +261,18 @@ def _topology_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     return 0
 
 
+def _report_command(run: Path, png: Path) -> int:
+    try:
+        report = read_json(run)
+    except (OSError, ValueError) as exc:
+        print(f"gossipmesh: error: cannot read report {run}: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(report_view.summarize(report)))
+    report_view.plot(report, png)
+    print(f"plot: {png}")
+    return 0
+
+
 def _preload_for_nodes() -> None:
     """Import once, before the mesh forks its nodes, what each would import: building the first
     torch optimizer pulls in torch._dynamo, seconds of CPU per process."""
@@ -256,21 +280,21 @@ def _preload_for_nodes() -> None:
 
 
 def _node_command(config: NodeConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(config.log_format)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if stop.is_set():  # a second signal: stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        print(f"{signal.Signals(signum).name}: finishing the current step", file=sys.stderr)
+        log.info("%s: finishing the current step", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     record = run_node(config, stop)
     if record.status == "failed":
-        print(f"gossipmesh: node failed: {record.error}", file=sys.stderr)
+        log.error("gossipmesh: node failed: %s", record.error)
         return 1
     final = record.final
     say(

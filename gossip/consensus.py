@@ -17,3 +17,10 @@ def consensus_distance(vectors: Sequence[np.ndarray]) -> float:
     if norm == 0.0:
         raise ValueError("consensus distance is undefined when the mean vector is zero")
     return float(np.linalg.norm(stacked - mean, axis=1).mean() / norm)
+
+
+def relative_distance(vector: np.ndarray, reference: np.ndarray) -> float:
+    """||vector - reference|| / ||vector|| (0 for a zero vector equal to its reference)."""
+    norm = float(np.linalg.norm(vector))
+    distance = float(np.linalg.norm(vector - reference))
+    return distance / norm if norm else distance

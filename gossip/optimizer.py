@@ -14,13 +14,16 @@ import torch
 from gossip.algorithms import Algorithm
 from gossip.averager import RoundStats
 from gossip.compression import Codec, parse_codec
+from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
 from gossip.outer import OuterNesterov
+from gossip.phases import PhaseTimer, TimedPeer
 from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
+CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
 
 
 class GossipOptimizer:
@@ -28,6 +31,11 @@ class GossipOptimizer:
 
         opt = GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), peer=peer)
         loss.backward(); opt.step(); opt.zero_grad()
+
+    ``phases`` tells where the time of each round went (see ``gossip.phases``), and
+    ``consensus_estimate`` how far apart this node and its neighbours are: the relative change
+    of the model by mixing, ``||x after - x before|| / ||x||``, measured every
+    ``CONSENSUS_EVERY`` rounds (0 once the nodes agree; None before the first measurement).
 
     Args:
         optimizer: the local optimizer; its parameters are moved into one flat buffer.
@@ -71,6 +79,9 @@ class GossipOptimizer:
         self.average_every = average_every
         self.local_steps = 0
         self.last_round: RoundStats | None = None
+        self.phases = PhaseTimer()
+        self.consensus_estimate: float | None = None
+        self._before_mixing: np.ndarray | None = None
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.flat = FlatParameters(self._params)
@@ -79,7 +90,12 @@ class GossipOptimizer:
         )
         codec = compression if isinstance(compression, Codec) else parse_codec(compression)
         self.averager = spec.build(
-            peer, self.flat.array, topology=graph, round_timeout=round_timeout, lock=lock, codec=codec
+            TimedPeer(peer, self.phases),
+            self.flat.array,
+            topology=graph,
+            round_timeout=round_timeout,
+            lock=lock,
+            codec=codec,
         )
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
@@ -93,14 +109,25 @@ class GossipOptimizer:
         if self._started is None:
             self._started = time.monotonic()
         with self._lock:
+            self._estimate_consensus()
             loss = self.optimizer.step(closure)
-        self.local_steps += 1
+            self.local_steps += 1
+            if self.local_steps % (self.average_every * CONSENSUS_EVERY) == 0:
+                self._before_mixing = self.flat.array.copy()
         if self.local_steps % self.average_every == 0:
-            self.last_round = self.averager.after_step()
-            if self.outer is not None:
-                with self._lock:
-                    self.outer.step(self.flat.array)
+            with self.phases.round():
+                self.last_round = self.averager.after_step()
+                if self.outer is not None:
+                    with self._lock:
+                        self.outer.step(self.flat.array)
         return loss
+
+    def _estimate_consensus(self) -> None:
+        """Before a local step: how far mixing (in the round, or in the background since) moved
+        the model from its copy taken after the last sampled local step."""
+        if self._before_mixing is not None:
+            self.consensus_estimate = relative_distance(self.flat.array, self._before_mixing)
+            self._before_mixing = None
 
     def close(self) -> None:
         """Stop the algorithm's background work (call when training ends)."""

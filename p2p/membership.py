@@ -158,6 +158,13 @@ class Membership:
             and (m.status.live or (m.status == Status.LEFT and round <= m.last_round))
         )
 
+    def peer_states(self) -> dict[str, int]:
+        """How many other members this node knows in each state (alive, suspect, dead, left)."""
+        counts = dict.fromkeys((status.value for status in Status), 0)
+        for member in self._view[1:]:  # the view starts with this node
+            counts[member.status.value] += 1
+        return counts
+
     def address_of(self, node_id: str) -> str | None:
         for member in self._view:
             if member.id == node_id and member.status.live:

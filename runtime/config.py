@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,7 +22,8 @@ from gossip import ALGORITHMS, CODECS, Algorithm, AlgorithmError, parse_codec
 from p2p.address import AddressError, check_node_id, parse_endpoint
 from p2p.membership import PROFILES
 from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_leave, parse_pause
-from tasks import TASKS, parse_dirichlet
+from runtime.logs import LOG_FORMATS
+from tasks import TASKS, TaskError, parse_dirichlet, task_factory
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +31,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "GOSSIPMESH_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_STEPS = 600
 
 Config = TypeVar("Config", bound="TrainConfig")
@@ -60,7 +63,7 @@ def _flag(name: str) -> str:
 class TrainConfig:
     """What every node of a mesh trains and how it averages (the mesh forwards these)."""
 
-    task: str = _option("digits", f"training task: {', '.join(TASKS)}")
+    task: str = _option("digits", f"training task: {', '.join(TASKS)}, or your own as module:function")
     partition: str = _option("iid", "data split over nodes: iid or dirichlet:ALPHA (label skew)")
     topology: str | None = _option(
         None,
@@ -107,7 +110,10 @@ class TrainConfig:
     profile: str = _option("local", f"failure-detector timings: {', '.join(PROFILES)}")
 
     def __post_init__(self) -> None:
-        _check(self.task in TASKS, "--task", f"unknown task {self.task!r}; choose {', '.join(TASKS)}")
+        try:
+            task_factory(self.task)
+        except TaskError as exc:
+            raise ConfigError(f"--task: {exc}") from None
         try:
             algorithm = Algorithm.parse(self.algorithm)
         except AlgorithmError as exc:
@@ -213,6 +219,12 @@ class NodeConfig(TrainConfig):
     clock_origin: float | None = _option(
         None, "wall-clock time (epoch s) the report's t counts from (set by the mesh)", parse=float
     )
+    metrics_port: int | None = _option(
+        None, "serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)", parse=int
+    )
+    log_format: str = _option(
+        "text", f"log lines on stderr: {' or '.join(LOG_FORMATS)} (one object per event)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -239,6 +251,8 @@ class NodeConfig(TrainConfig):
             f"unknown profile {self.profile!r}; choose {', '.join(PROFILES)}",
         )
         _check(self.progress in ("text", "json", "none"), "--progress", "choose text, json or none")
+        _check(self.log_format in LOG_FORMATS, "--log-format", f"choose {' or '.join(LOG_FORMATS)}")
+        _check_port(self.metrics_port)
 
 
 @dataclass(frozen=True)
@@ -271,9 +285,14 @@ class MeshConfig(TrainConfig):
     run_dir: Path | None = _option(
         None, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)", parse=Path
     )
+    plot: str = _option("auto", "report plot: auto (REPORT.png beside the report), none, or a PNG path")
+    metrics_port: int | None = _option(
+        None, "node RANK serves /metrics, /healthz and /readyz on PORT+RANK (default: off)", parse=int
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_port(self.metrics_port, self.nodes + sum(a.count for a in self.chaos()) - 1)
         _check(1 <= self.nodes <= 256, "--nodes", f"must be in 1..256, got {self.nodes}")
         try:  # the graph must exist for this node count (a hypercube needs a power of two...)
             self.graph.graph(self.nodes)
@@ -330,7 +349,9 @@ class MeshConfig(TrainConfig):
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[TrainConfig]) -> None:
     """Flags for every option of ``cls`` (only the ones given end up in the namespace)."""
-    parser.add_argument("--config", type=Path, metavar="FILE.toml", help="read options from a TOML file")
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE.toml", help=f"read options from a TOML file (or ${CONFIG_ENV})"
+    )
     for f in dataclasses.fields(cls):
         meta = f.metadata
         default = "" if f.default in (None, ()) else f" (default: {f.default})"
@@ -385,9 +406,25 @@ def summary(config: TrainConfig) -> dict[str, Any]:
 
 
 def parse_args_into(cls: type[Config], args: argparse.Namespace, env: Mapping[str, str]) -> Config:
-    """The validated config of a parsed command line."""
+    """The validated config of a parsed command line; the TOML file is ``--config``, else
+    ``GOSSIPMESH_CONFIG`` (a file mounted into a container)."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    return load(cls, flags, env, getattr(args, "config", None))
+    config_file = getattr(args, "config", None)
+    if config_file is None and env.get(CONFIG_ENV):
+        config_file = Path(env[CONFIG_ENV])
+    return load(cls, flags, env, config_file)
+
+
+def node_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> NodeConfig:
+    """A node's config as ``gossipmesh node`` reads it (flags, default ``sys.argv[1:]``, over
+    ``GOSSIPMESH_*`` over ``--config``), for a user's own training script; a bad value exits
+    with the option to fix, as the daemon does."""
+    parser = argparse.ArgumentParser(description="A gossipmesh node (options as for gossipmesh node).")
+    add_arguments(parser, NodeConfig)
+    try:
+        return parse_args_into(NodeConfig, parser.parse_args(argv), os.environ if env is None else env)
+    except ConfigError as exc:
+        parser.error(str(exc))
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -429,6 +466,16 @@ def _coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
 def _check(ok: bool, flag: str, problem: str) -> None:
     if not ok:
         raise ConfigError(f"{flag}: {problem}")
+
+
+def _check_port(port: int | None, more: int = 0) -> None:
+    """A TCP port (and ``more`` after it), when given."""
+    if port is not None:
+        _check(
+            1 <= port <= 65535 - more,
+            "--metrics-port",
+            f"must be a TCP port in 1..{65535 - more}, got {port}",
+        )
 
 
 def _finite(value: float) -> float:

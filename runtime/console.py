@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from runtime.logs import NODE_LOGGER
 from runtime.report import json_safe
 
+_node_log = logging.getLogger(NODE_LOGGER)
 COLUMNS = (
     ("node", "id", "{}"),
     ("rank", "rank", "{}"),
@@ -73,10 +75,11 @@ def progress_line(row: Mapping[str, Any]) -> str:
     return "  ".join(f"{title} {_cell(row, key, fmt)}" for title, key, fmt in COLUMNS[3:])
 
 
-def say(progress: str, text: str) -> None:
-    """A line for people, on stderr (unless ``--progress none``)."""
+def say(progress: str, text: str, **fields: Any) -> None:
+    """A line for people in the node's log (unless ``--progress none``); ``fields`` are what a
+    JSON log carries beside it."""
     if progress != "none":
-        print(text, file=sys.stderr, flush=True)
+        _node_log.info(text, extra={"fields": fields})
 
 
 def emit(progress: str, event: Mapping[str, Any]) -> None:

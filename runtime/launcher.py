@@ -31,6 +31,7 @@ import numpy as np
 
 from gossip import consensus_distance
 from p2p.address import free_ports
+from runtime import report_view
 from runtime.chaos import ChaosAction
 from runtime.config import MeshConfig, as_flags, summary
 from runtime.console import LiveTable
@@ -75,6 +76,7 @@ class Mesh:
             *(["--bootstrap", bootstrap] if bootstrap else []),
             *as_flags(self.config),
             *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
+            *(["--metrics-port", str(self.config.metrics_port + rank)] if self.config.metrics_port else []),
         ]  # fmt: skip
         node.start(self.node_main, argv)
         self._selector.register(node.progress_fd, selectors.EVENT_READ, node)
@@ -156,6 +158,10 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     report["chaos_events"] = mesh.chaos
     write_json(report_path, report)
     _print_summary(stream, mesh.nodes, results, report, report_path)
+    if config.plot != "none":
+        plot_path = report_path.with_suffix(".png") if config.plot == "auto" else Path(config.plot)
+        report_view.plot(report, plot_path)
+        print(f"plot: {plot_path}", file=stream, flush=True)
     return 0 if len(ended) == len(results) else 1
 
 

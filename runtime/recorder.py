@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 from runtime.report import TimelinePoint
 from tasks import Evaluation
@@ -18,7 +19,7 @@ from tasks import Evaluation
 class Recorder:
     """Args:
     evaluate: held-out loss and accuracy of the current model.
-    progress: ``(step, round, train_loss, bytes_sent)`` right now.
+    progress: the point's other fields right now (step, round, train_loss, bytes_sent...).
     lock: the model lock.
     clock: seconds on the report's clock.
     interval: seconds between points.
@@ -29,7 +30,7 @@ class Recorder:
         self,
         *,
         evaluate: Callable[[], Evaluation],
-        progress: Callable[[], tuple[int, int, float, int]],
+        progress: Callable[[], dict[str, Any]],
         lock: AbstractContextManager[object],
         clock: Callable[[], float],
         interval: float,
@@ -57,15 +58,8 @@ class Recorder:
     def record(self) -> TimelinePoint:
         with self._lock:
             evaluation = self._evaluate()
-        step, rounds, train_loss, bytes_sent = self._progress()
         point = TimelinePoint(
-            t=round_ms(self._clock()),
-            step=step,
-            loss=evaluation.loss,
-            accuracy=evaluation.accuracy,
-            train_loss=train_loss,
-            bytes_sent=bytes_sent,
-            round=rounds,
+            t=round_ms(self._clock()), loss=evaluation.loss, accuracy=evaluation.accuracy, **self._progress()
         )
         self.timeline.append(point)
         self._on_point(point)

@@ -26,6 +26,7 @@ class TimelinePoint:
     train_loss: float  # moving average of the minibatch loss
     bytes_sent: int
     round: int
+    consensus: float | None = None  # the node's consensus distance estimate (see GossipOptimizer)
 
 
 @dataclass
@@ -49,6 +50,8 @@ class NodeRecord:
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None
+    shard: dict[str, Any] = field(default_factory=dict)  # partition, examples, examples per label
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # totals per phase (gossip.phases)
 
 
 def build_report(

@@ -8,11 +8,11 @@ every node answers such requests between its steps.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -20,6 +20,7 @@ from gossip import GossipOptimizer
 from p2p import Peer
 from runtime.config import NodeConfig
 from runtime.console import emit, progress_line, say
+from runtime.metrics import NodeMetrics
 from runtime.pacing import StepPacer
 from runtime.recorder import Recorder
 from runtime.report import NodeRecord, TimelinePoint
@@ -41,6 +42,7 @@ class Trainer:
         peer: Peer,
         record: NodeRecord,
         clock: Callable[[], float],
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -72,6 +74,19 @@ class Trainer:
             on_point=self._show,
         )
         self._last_text = -math.inf
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.training = self
+
+    @property
+    def steps(self) -> int:
+        return self.record.steps
+
+    @property
+    def evaluation(self) -> tuple[float, float] | None:
+        """Held-out (loss, accuracy) at the last timeline point."""
+        timeline = self.recorder.timeline
+        return (timeline[-1].loss, timeline[-1].accuracy) if timeline else None
 
     def join_running_mesh(self) -> None:
         """Take the state of a live member (the first other one in member order)."""
@@ -87,6 +102,7 @@ class Trainer:
         config, record = self.config, self.record
         members = len(self.peer.members())
         shard = self.task.shard(record.rank, members, partition=config.partition, seed=config.seed)
+        record.shard = shard.describe(config.partition)
         pacer = StepPacer(config.compute_ms, config.slowdown)
         budget = config.step_budget
         deadline = config.duration if config.duration else math.inf  # on the report clock: a late
@@ -106,6 +122,8 @@ class Trainer:
                 self.optimizer.serve_state()
                 record.steps += 1
                 self._smooth(loss.item())
+                if self.metrics is not None:
+                    self._observe(self.metrics)
         finally:
             self.optimizer.close()
             self.peer.leave(after_round=self.optimizer.averager.round - 1)
@@ -117,6 +135,7 @@ class Trainer:
             record.staleness = self.optimizer.averager.report()
             record.rejected_by_reason = dict(self.optimizer.averager.rejected)
             record.dropped_by_reason = dict(self.optimizer.averager.dropped)
+            record.phase_seconds = {k: round(v, 4) for k, v in self.optimizer.phases.totals.items()}
 
     def _smooth(self, loss: float) -> None:
         if math.isnan(self.train_loss):
@@ -124,9 +143,19 @@ class Trainer:
         else:
             self.train_loss = _LOSS_SMOOTHING * self.train_loss + (1 - _LOSS_SMOOTHING) * loss
 
-    def _progress(self) -> tuple[int, int, float, int]:
-        stats = self.peer.stats
-        return self.record.steps, self.optimizer.averager.round, self.train_loss, stats.bytes_sent
+    def _observe(self, metrics: NodeMetrics) -> None:
+        metrics.beat()
+        if self.optimizer.local_steps % self.config.average_every == 0:
+            metrics.observe_round(self.optimizer.phases.last)
+
+    def _progress(self) -> dict[str, Any]:
+        return {
+            "step": self.record.steps,
+            "round": self.optimizer.averager.round,
+            "train_loss": self.train_loss,
+            "bytes_sent": self.peer.stats.bytes_sent,
+            "consensus": self.optimizer.consensus_estimate,
+        }
 
     def _show(self, point: TimelinePoint) -> None:
         row = {
@@ -134,10 +163,10 @@ class Trainer:
             "rank": self.record.rank,
             **asdict(point),
             "bytes_received": self.peer.stats.bytes_received,
-            "peers": len(self.peer.members()) - 1,
+            "peers": max(len(self.peer.members()) - 1, 0),  # after leaving, this node is not one
         }
         if self.config.progress == "json":
             emit(self.config.progress, {"event": "point", **row})
         elif self.config.progress == "text" and point.t - self._last_text >= _TEXT_PROGRESS_EVERY_S:
             self._last_text = point.t
-            print(f"[{point.t:7.2f}s] {progress_line(row)}", file=sys.stderr, flush=True)
+            say(self.config.progress, f"[{point.t:7.2f}s] {progress_line(row)}", event="progress", **row)

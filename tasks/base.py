@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,13 +20,24 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class Shard:
-    """One node's training examples."""
+    """One node's training examples; ``labels``: what the partition split by (one per example;
+    default: the targets, when they are class labels)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    labels: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.targets)
+
+    def describe(self, partition: str) -> dict[str, Any]:
+        """The run report's account of this shard: partition, examples, examples per label."""
+        labels = self.labels if self.labels is not None else self.targets.numpy()
+        summary: dict[str, Any] = {"partition": partition, "examples": len(self)}
+        if labels.ndim == 1:
+            values, counts = np.unique(labels, return_counts=True)
+            summary["label_counts"] = {str(v): int(c) for v, c in zip(values, counts, strict=True)}
+        return summary
 
 
 class Task(Protocol):

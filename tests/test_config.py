@@ -34,6 +34,8 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     assert (config.batch_size, config.topology) == (8, "complete")  # file
     assert config.bootstrap == ("a:1", "b:2")
     assert _node(["--config", str(file)], env).lr == 0.3
+    mounted = _node([], {**env, "GOSSIPMESH_CONFIG": str(file)})  # a container's mounted file
+    assert (mounted.batch_size, mounted.lr) == (8, 0.3)
 
 
 def test_repeated_and_comma_separated_bootstrap() -> None:
@@ -65,7 +67,9 @@ def test_repeated_and_comma_separated_bootstrap() -> None:
         ),
         (["--id", "bad id!"], {}, "--id: bad node id 'bad id!'"),
         (["--slowdown", "0.5"], {}, "--slowdown: must be >= 1"),
-        (["--task", "imagenet"], {}, "--task: unknown task 'imagenet'; choose digits"),
+        (["--task", "imagenet"], {}, "--task: unknown task 'imagenet'; choose one of digits, charlm"),
+        (["--task", "no_such_module:make"], {}, "--task: task 'no_such_module:make': cannot import"),
+        (["--task", "json:no_such_function"], {}, "json has no function 'no_such_function'"),
     ],
 )
 def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], message: str) -> None:
