@@ -2,7 +2,8 @@
 
 ``gossipmesh node`` runs one daemon: config -> wiring (peer, task, model, gossip optimizer) ->
 training loop -> graceful stop (leave the mesh, write the report). ``gossipmesh mesh`` runs a
-local test mesh of daemons as separate processes. ``python node.py ...`` is ``gossipmesh ...``.
+local test mesh of daemons as separate processes; ``gossipmesh keygen DIR`` makes a node's
+CURVE key pair. ``python node.py ...`` is ``gossipmesh ...``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
 from p2p import AddressError, Peer, TransportError
 from p2p.address import split_endpoint
 from p2p.membership import NOT_YET, PROFILES
+from p2p.security import Curve, SecurityError, insecure_warning, keygen
 from p2p.wire import Limits
 from runtime import topology_view
 from runtime.config import (
@@ -47,6 +49,8 @@ from runtime.report import NodeRecord, build_report, write_json
 from runtime.trainer import Trainer
 from tasks import load_task
 from topologies import NAMES, TopologyError, analyze, member_order
+
+log = logging.getLogger("gossipmesh")
 
 
 def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
@@ -68,6 +72,12 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     model = task.model(config.seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     node_id = config.id or _default_id(config.listen)
+    curve = None
+    if config.insecure:
+        log.warning(insecure_warning())
+        say(config.progress, f"WARNING: {insecure_warning()}")
+    elif config.keys is not None and config.trusted is not None:
+        curve = Curve.load(config.keys, config.trusted, node_id)
     joins_running_mesh = bool(config.bootstrap or config.beacon) and config.expect == 0
     # A node takes part in gossip rounds only once it is ready to train (imports done, model and
     # optimizer built): members that start together wait for each other at round 0, so a node
@@ -84,6 +94,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         first_round=NOT_YET if announces_later else 0,
         beacon_port=config.beacon,
         mesh_name=config.mesh_name,
+        curve=curve,
     )
     peer.start()
     record = NodeRecord(id=node_id, rank=-1, address=peer.address)
@@ -109,7 +120,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     except Exception as exc:
         record.status = "failed"
         record.error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, TransportError | AddressError | TopologyError):
+        if isinstance(exc, TransportError | AddressError | TopologyError | SecurityError):
             raise
         traceback.print_exc()
     finally:
@@ -161,9 +172,13 @@ def _save_array(path: Path, array: np.ndarray) -> None:
 
 
 def _default_id(listen: str) -> str:
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
     _, port = split_endpoint(listen)
-    return f"{host.strip('-.') or 'node'}-{port or os.getpid()}"
+    return f"{_default_name()}-{port or os.getpid()}"
+
+
+def _default_name() -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
+    return host.strip("-.") or "node"
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -188,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start N daemons as separate processes on 127.0.0.1, show a live table, write a report.",
     )
     add_arguments(mesh, MeshConfig)
+    keys = commands.add_parser(
+        "keygen",
+        help="make a node's CURVE key pair",
+        description="Write DIR/NAME.key (public: copy it into the --trusted folder of every node "
+        "that should admit this one) and DIR/NAME.key_secret (secret, mode 0600; pass --keys DIR).",
+    )
+    keys.add_argument("dir", type=Path, metavar="DIR", help="folder for the key pair (created if missing)")
+    keys.add_argument("--name", default=_default_name(), help="file name of the pair (default: host name)")
     topology = commands.add_parser(
         "topology",
         help="inspect a topology: degree, spectral gap, diameter, bytes per round; draw it",
@@ -214,13 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "topology":
             return _topology_command(args, parser)
+        if args.command == "keygen":
+            public, secret = keygen(args.dir, args.name)
+            print(f"public key {public}  (copy it into every trusted folder)\nsecret key {secret}")
+            return 0
         if args.command == "node":
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)
         mesh_config = parse_args_into(MeshConfig, args, os.environ)
         _preload_for_nodes()
         return run_mesh(mesh_config, node_main=main)
-    except (ConfigError, AddressError, TransportError, TopologyError) as exc:
+    except (ConfigError, AddressError, TransportError, TopologyError, SecurityError) as exc:
         print(f"gossipmesh: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
 

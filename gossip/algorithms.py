@@ -25,6 +25,7 @@ from gossip.adpsgd import ADPSGD
 from gossip.averager import Averager
 from gossip.dpsgd import DPSGD
 from gossip.network import PeerNetwork
+from gossip.robust import RobustRule
 from gossip.sgp import SGP
 from topologies import Topology
 
@@ -101,8 +102,13 @@ class Algorithm:
         topology: Topology,
         round_timeout: float,
         lock: AbstractContextManager[object] | None,
+        robust: RobustRule | None = None,
     ) -> Averager:
         options = dict(self.params)
+        if robust is not None:
+            if self.name != "dpsgd":
+                raise AlgorithmError(f"robust mixing ({robust}) works with dpsgd only, not {self.name}")
+            options["robust"] = robust
         if "staleness" in options:
             options["max_staleness"] = options.pop("staleness")
         if "interval_ms" in options:

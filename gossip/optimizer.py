@@ -15,6 +15,7 @@ from gossip.algorithms import Algorithm
 from gossip.averager import RoundStats
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
+from gossip.robust import RobustRule
 from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
@@ -39,6 +40,8 @@ class GossipOptimizer:
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while parameters are written (local step and mixing), so another thread can
             evaluate the model consistently.
+        robust: a Byzantine-robust mixing rule (``gossip.robust``: ``"clip"``, ``"trimmed-mean"``),
+            dpsgd only; None: the plain weighted mean.
     """
 
     def __init__(
@@ -51,8 +54,10 @@ class GossipOptimizer:
         average_every: int = 1,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        robust: RobustRule | str | None = None,
     ) -> None:
         spec = algorithm if isinstance(algorithm, Algorithm) else Algorithm.parse(algorithm)
+        rule = RobustRule.parse(robust) if isinstance(robust, str) else robust
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
         self.optimizer = optimizer
@@ -67,7 +72,7 @@ class GossipOptimizer:
             topology if isinstance(topology, Topology) else Topology.parse(topology or spec.default_topology)
         )
         self.averager = spec.build(
-            peer, self.flat.array, topology=graph, round_timeout=round_timeout, lock=lock
+            peer, self.flat.array, topology=graph, round_timeout=round_timeout, lock=lock, robust=rule
         )
         self._rounds_at_start = 0
         self._started: float | None = None

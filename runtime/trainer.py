@@ -18,6 +18,7 @@ import torch
 
 from gossip import GossipOptimizer
 from p2p import Peer
+from runtime.byzantine import ByzantinePeer, parse_byzantine
 from runtime.config import NodeConfig
 from runtime.console import emit, progress_line, say
 from runtime.pacing import StepPacer
@@ -51,14 +52,16 @@ class Trainer:
         self.train_loss = math.nan
         self.lock = threading.Lock()
         lr = config.lr * config.batch_size / config.reference_batch  # the same step per example
+        network = peer if config.byzantine is None else ByzantinePeer(peer, parse_byzantine(config.byzantine))
         self.optimizer = GossipOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum),
-            peer=peer,
+            peer=network,
             algorithm=config.algorithm,
             topology=config.graph,
             average_every=config.average_every,
             round_timeout=config.round_timeout,
             lock=self.lock,
+            robust=config.robust,
         )
         self.recorder = Recorder(
             evaluate=lambda: task.evaluate(model),
