@@ -35,6 +35,7 @@ from p2p.membership import NOT_YET, PROFILES
 from p2p.security import Curve, SecurityError, insecure_warning, keygen
 from p2p.wire import Limits
 from runtime import topology_view
+from runtime.checkpoint import load_newest
 from runtime.config import (
     ConfigError,
     MeshConfig,
@@ -78,7 +79,12 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         say(config.progress, f"WARNING: {insecure_warning()}")
     elif config.keys is not None and config.trusted is not None:
         curve = Curve.load(config.keys, config.trusted, node_id)
-    joins_running_mesh = bool(config.bootstrap or config.beacon) and config.expect == 0
+    checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
+    # a node resumed from a checkpoint rejoins the mesh it crashed out of, whatever --expect says
+    joins_running_mesh = bool(config.bootstrap or config.beacon) and (
+        config.expect == 0 or checkpoint is not None
+    )
+    expect = 1 if joins_running_mesh else max(1, config.expect)
     # A node takes part in gossip rounds only once it is ready to train (imports done, model and
     # optimizer built): members that start together wait for each other at round 0, so a node
     # that is seconds slower to start is not averaged around.
@@ -101,18 +107,21 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     started = time.monotonic()
     try:
         say(config.progress, f"{node_id} listening on {peer.address}")
-        peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=stop.is_set)
+        peer.wait_ready(config.startup_timeout, expect=expect, cancelled=stop.is_set)
         ordered = member_order(peer.members())
         record.rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
         trainer = Trainer(config, task, model, peer, record, clock)
+        if checkpoint is not None:
+            trainer.resume(checkpoint)
+            record.resumed_from = str(checkpoint.path)
+            say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {record.steps})")
         if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
             trainer.join_running_mesh()
             record.t_joined = round(clock(), 3)
         elif announces_later:
             peer.start_at_round(0)
-            expect = max(1, config.expect)
             peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=stop.is_set)
         if not stop.is_set():
             trainer.run(stop)
@@ -138,6 +147,8 @@ def _count_network(record: NodeRecord, peer: Peer) -> None:
     record.rejected_by_reason = dict(Counter(record.rejected_by_reason) + stats.rejected)
     record.messages_rejected = sum(record.rejected_by_reason.values())
     record.dropped_by_reason = dict(Counter(record.dropped_by_reason) + stats.dropped)
+    record.rejected_by_peer = {peer: dict(reasons) for peer, reasons in stats.rejected_by_peer.items()}
+    record.shunned_peers = sorted(stats.rejections.shunned_peers)
 
 
 def _save(

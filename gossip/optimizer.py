@@ -139,11 +139,13 @@ class GossipOptimizer:
         return serve_requests(self.peer, self.snapshot)
 
     def join_from(self, source: str, *, timeout: float) -> int:
-        """Take ``source``'s state, start a few rounds ahead of it (time for the mesh to hear),
+        """Take ``source``'s state unless this node has trained at least as far (one resumed
+        from its own checkpoint), start a few rounds ahead of it (time for the mesh to hear),
         announce that round and return it."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
         snapshot = fetch_snapshot(self.peer, source, timeout=timeout, max_bytes=max_bytes)
-        self.restore(snapshot)
+        if snapshot.counters.get("local_steps", 0) > self.local_steps:
+            self.restore(snapshot)
         lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
         self.averager.restart(first_round)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tasks.base import Evaluation, Shard, Task, batches, parse_dirichlet, partition_indices
+from tasks.base import Batches, Evaluation, Shard, Task, parse_dirichlet, partition_indices
 from tasks.digits import DigitsTask
 
 TASKS: dict[str, Callable[[], Task]] = {"digits": DigitsTask}
@@ -18,10 +18,10 @@ def load_task(name: str) -> Task:
 
 __all__ = [
     "TASKS",
+    "Batches",
     "Evaluation",
     "Shard",
     "Task",
-    "batches",
     "load_task",
     "parse_dirichlet",
     "partition_indices",

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from helpers import addresses, wait_until
+from helpers import addresses, raw_dealer, started_transport, wait_until
 
-from p2p import Peer, Transport
+from p2p import Peer
 from p2p.rejections import Rejections
 from p2p.security import Curve, NodeKeys, SecurityError, TrustedKeys, keygen
 from p2p.wire import encode
@@ -119,20 +119,13 @@ def test_garbage_is_counted_per_peer_and_a_persistent_sender_is_shunned() -> Non
 
 
 def test_a_live_transport_shuns_a_garbage_sender_and_counts_everything() -> None:
-    receiver = Transport("rx", "tcp://127.0.0.1:0", inbox_kinds={"params"})
-    receiver.start()
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, b"fuzzer")
-    raw.connect(receiver.address)
-    try:
+    with (
+        started_transport("rx", inbox_kinds={"params"}) as receiver,
+        raw_dealer(b"fuzzer", receiver.address) as raw,
+    ):
         for _ in range(300):
             raw.send_multipart([b"\x93garbage"])
         raw.send_multipart(encode(kind="params", sender="fuzzer", round=0, seq=1))  # well formed
         assert wait_until(lambda: receiver.stats.messages_rejected == 301, 10), receiver.stats
         assert receiver.stats.rejected_by_peer == {"fuzzer": {"header_not_msgpack": 100, "shunned": 201}}
         assert receiver.recv(0.2) is None  # shunned: even its good message is dropped unread
-    finally:
-        raw.close(0)
-        context.term()
-        receiver.close()
