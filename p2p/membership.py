@@ -15,6 +15,9 @@ Runs on the network thread as a transport service; no node is special.
   raising its incarnation) within ``suspicion_mult * max(1, log10 n)`` intervals is declared
   dead. All timers use the monotonic clock.
 - Leave: the node tells every member at once, naming the last gossip round it took part in.
+- Healing: every ``reconnect_interval_s`` a node swaps tables with one member it holds dead (a
+  tombstone, kept ``tombstone_s``): after a partition heals, the halves find each other again
+  (the members declared dead learn it and start new lives), with no beacon or bootstrap.
 
 The view (``members(round)``) is round-aware so that nodes that learn of a change at slightly
 different times still agree on each round's graph: a member that left after round R counts for
@@ -60,6 +63,7 @@ class DetectorProfile:
     push_pull_interval_s: float = 10.0
     join_retry_s: float = 0.5
     tombstone_s: float = 60.0
+    reconnect_interval_s: float = 2.0
 
     def suspicion_timeout_s(self, members: int) -> float:
         return self.suspicion_mult * max(1.0, math.log10(max(members, 1))) * self.probe_interval_s
@@ -144,7 +148,7 @@ class Membership:
         self._started = False
         self._dialed: dict[str, float] = {}  # address -> when its connection can be used
         self._later: list[tuple[float, str, str, dict[str, Any]]] = []  # sends waiting for a dial
-        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "join": 0.0}
+        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "join": 0.0, "reconnect": 0.0}
         self.join_error = ""
 
     # -- any thread --------------------------------------------------------------------------
@@ -229,8 +233,12 @@ class Membership:
         if now >= self._next["push_pull"]:
             self._push_pull()
             self._next["push_pull"] = now + self.profile.push_pull_interval_s
+        if now >= self._next["reconnect"]:
+            self._reconnect()
+            self._next["reconnect"] = now + self.profile.reconnect_interval_s
         self._expire(now)
-        timers = [self._next["probe"], self._next["gossip"], self._next["push_pull"], now + 1.0]
+        timers = [self._next["probe"], self._next["gossip"], self._next["push_pull"], self._next["reconnect"]]
+        timers.append(now + 1.0)
         if joining:
             timers.append(self._next["join"])
         wake = [*timers, *self._suspicions.values(), *(t for t, *_ in self._later)]
@@ -269,6 +277,11 @@ class Membership:
         live = self._table.live()
         if live:
             self._send(self._rng.choice(live).address, "sync", {"updates": self._everything()})
+
+    def _reconnect(self) -> None:
+        dead = [m for m in self._table.members.values() if m.status == Status.DEAD]
+        if dead:
+            self._send(self._rng.choice(dead).address, "sync", {"updates": self._everything()})
 
     # -- probing ------------------------------------------------------------------------------
 
