@@ -3,7 +3,9 @@ hostile input counted per peer and a garbage sender shunned."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from helpers import addresses, raw_dealer, started_transport, wait_until
+from helpers import addresses, average_in_threads, raw_dealer, started_transport, wait_until
 
-from p2p import Peer
+from p2p import Peer, Transport
 from p2p.rejections import Rejections
 from p2p.security import Curve, NodeKeys, SecurityError, TrustedKeys, keygen
 from p2p.wire import encode
@@ -96,6 +98,53 @@ def test_an_untrusted_peer_gets_no_frame_through_until_its_key_is_trusted(tmp_pa
         assert honest.stats.messages_rejected == 0  # ...refused at the handshake, before any frame
         shutil.copy(public, trusted)  # trusted from now on, with no restart
         assert wait_until(lambda: honest.members() == newcomer.members() == {"a", "b"}, 10)
+
+
+def _average_under_attack(tmp_path: Path, *, secure: bool, attack: bool) -> str:
+    """The hash of a's vector after 10 rounds of pure averaging with b, while (with ``attack``)
+    an intruder with an untrusted key, claiming to be b, sends a huge models for every round."""
+    trusted = make_keys(tmp_path, "a", "b")
+    intruder_keys = tmp_path / "keys" / "mallory"
+    if not intruder_keys.exists():
+        keygen(intruder_keys, "mallory")
+    listen = addresses(3)
+    peers = [
+        Peer(
+            name,
+            address,
+            listen[:1] if i else [],
+            curve=curve_for(tmp_path, name, trusted) if secure else None,
+        )
+        for i, (name, address) in enumerate(zip(["a", "b"], listen, strict=False))
+    ]
+    intruder = Transport("b", listen[2], curve=curve_for(tmp_path, "mallory", trusted) if secure else None)
+    try:
+        for peer in peers:
+            peer.start()
+        for peer in peers:
+            peer.wait_ready(20, expect=2)
+        intruder.start()
+        if secure:
+            intruder.learn_key(peers[0].address, NodeKeys.load(tmp_path / "keys" / "a", "a").public)
+        for r in range(10) if attack else ():
+            intruder.send(peers[0].address, "params", r, [np.full(1000, 1e6, np.float32)])
+        time.sleep(1.0)  # what the intruder sent has arrived, or been refused
+        vectors = [np.arange(1000, dtype=np.float32) * (i + 1) for i in range(2)]
+        average_in_threads(peers, vectors, topology="ring", rounds=10)
+        return hashlib.sha256(vectors[0].tobytes()).hexdigest()
+    finally:
+        intruder.close()
+        for peer in peers:
+            peer.close()
+
+
+def test_an_untrusted_node_leaves_every_honest_model_hash_unchanged(tmp_path: Path) -> None:
+    clean = _average_under_attack(tmp_path / "clean", secure=True, attack=False)
+    assert _average_under_attack(tmp_path / "attacked", secure=True, attack=True) == clean
+    # without CURVE the same intruder does change the model: the check above can see a change
+    insecure = _average_under_attack(tmp_path / "insecure", secure=False, attack=False)
+    assert insecure == clean
+    assert _average_under_attack(tmp_path / "insecure-attacked", secure=False, attack=True) != clean
 
 
 def test_garbage_is_counted_per_peer_and_a_persistent_sender_is_shunned() -> None:
