@@ -279,9 +279,14 @@ class Membership:
             self._send(self._rng.choice(live).address, "sync", {"updates": self._everything()})
 
     def _reconnect(self) -> None:
+        """Swap tables with a member held dead, over a fresh connection (the old one may be
+        stuck behind what was queued while the network was split)."""
         dead = [m for m in self._table.members.values() if m.status == Status.DEAD]
         if dead:
-            self._send(self._rng.choice(dead).address, "sync", {"updates": self._everything()})
+            address = self._rng.choice(dead).address
+            self._transport.disconnect(address)
+            self._dialed.pop(address, None)
+            self._send(address, "sync", {"updates": self._everything()})
 
     # -- probing ------------------------------------------------------------------------------
 

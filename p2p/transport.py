@@ -40,6 +40,7 @@ from p2p.wire import Limits, Message, WireError, decode, encode
 
 _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
+_HEARTBEAT_MS = 1000
 
 
 class TransportError(RuntimeError):
@@ -383,6 +384,9 @@ class Transport:
             configure_client(dealer, self.curve.keys, server_key)
         dealer.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
         dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
+        # a connection that goes silent (a partition, a crashed host) is dropped and redialed
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
         dealer.setsockopt(zmq.SNDHWM, self._send_queue)
         dealer.setsockopt(zmq.LINGER, self._linger_ms)
         dealer.connect(address)
