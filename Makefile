@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers clean
+.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers bench-fuzz clean
 
 venv: $(VENV)/.installed
 
@@ -36,6 +36,9 @@ bench-membership: venv
 
 bench-stragglers: venv
 	$(BIN)/python bench/stragglers.py
+
+bench-fuzz: venv
+	$(BIN)/python bench/fuzz_wire.py --seconds 600
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

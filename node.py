@@ -2,7 +2,8 @@
 
 ``gossipmesh node`` runs one daemon: config -> wiring (peer, task, model, gossip optimizer) ->
 training loop -> graceful stop (leave the mesh, write the report). ``gossipmesh mesh`` runs a
-local test mesh of daemons as separate processes. ``python node.py ...`` is ``gossipmesh ...``.
+local test mesh of daemons as separate processes; ``gossipmesh keygen DIR`` makes a node's
+CURVE key pair. ``python node.py ...`` is ``gossipmesh ...``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 
 from p2p import AddressError, Peer, TransportError
 from p2p.membership import NOT_YET
+from p2p.security import SecurityError, insecure_warning, keygen
 from runtime import logs, report_view, topology_view
+from runtime.checkpoint import load_newest
 from runtime.config import (
     ConfigError,
     MeshConfig,
@@ -39,7 +42,7 @@ from runtime.config import (
 from runtime.console import emit, say
 from runtime.launcher import run_mesh
 from runtime.metrics import NodeMetrics
-from runtime.peers import default_id, make_peer
+from runtime.peers import default_id, default_name, make_peer
 from runtime.report import NodeRecord, build_report, read_json, write_json
 from runtime.status_server import StatusServer, StatusServerError
 from runtime.trainer import Trainer
@@ -47,6 +50,8 @@ from tasks import load_task
 from topologies import NAMES, TopologyError, analyze, member_order
 
 log = logging.getLogger(logs.NODE_LOGGER)
+# what a user must fix (the message says how), reported without a traceback
+USER_ERRORS = (AddressError, TransportError, TopologyError, StatusServerError, SecurityError)
 
 
 def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
@@ -67,7 +72,14 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     task = load_task(config.task)
     model = task.model(config.seed)
     node_id = config.id or default_id(config.listen)
-    joins_running_mesh = bool(config.bootstrap or config.beacon) and config.expect == 0
+    if config.insecure:
+        say(config.progress, f"WARNING: {insecure_warning()}")
+    checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
+    # a node resumed from a checkpoint rejoins the mesh it crashed out of, whatever --expect says
+    joins_running_mesh = bool(config.bootstrap or config.beacon) and (
+        config.expect == 0 or checkpoint is not None
+    )
+    expect = 1 if joins_running_mesh else max(1, config.expect)
     # A node takes part in gossip rounds only once it is ready to train (imports done, model and
     # optimizer built): members that start together wait for each other at round 0, so a node
     # that is seconds slower to start is not averaged around.
@@ -93,18 +105,21 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         if config.metrics_port is not None:
             status = StatusServer(metrics, config.metrics_port)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
-        peer.wait_ready(config.startup_timeout, expect=max(1, config.expect), cancelled=cancelled)
+        peer.wait_ready(config.startup_timeout, expect=expect, cancelled=cancelled)
         ordered = member_order(peer.members())
         record.rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
         trainer = Trainer(config, task, model, peer, record, clock, metrics)
+        if checkpoint is not None:
+            trainer.resume(checkpoint)
+            record.resumed_from = str(checkpoint.path)
+            say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {record.steps})")
         if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
             trainer.join_running_mesh()
             record.t_joined = round(clock(), 3)
         elif announces_later:
             peer.start_at_round(0)
-            expect = max(1, config.expect)
             peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
         if not stop.is_set():
             trainer.run(stop)
@@ -112,7 +127,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     except Exception as exc:
         record.status = "failed"
         record.error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, TransportError | AddressError | TopologyError | StatusServerError):
+        if isinstance(exc, USER_ERRORS):
             raise
         log.exception("training failed")
     finally:
@@ -133,6 +148,8 @@ def _count_network(record: NodeRecord, peer: Peer) -> None:
     record.rejected_by_reason = dict(Counter(record.rejected_by_reason) + stats.rejected)
     record.messages_rejected = sum(record.rejected_by_reason.values())
     record.dropped_by_reason = dict(Counter(record.dropped_by_reason) + stats.dropped)
+    record.rejected_by_peer = {peer: dict(reasons) for peer, reasons in stats.rejected_by_peer.items()}
+    record.shunned_peers = sorted(stats.rejections.shunned_peers)
 
 
 def _save(
@@ -198,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--png", type=Path, metavar="FILE", help="the plot (default: RUN.png beside RUN.json)"
     )
+    keys = commands.add_parser(
+        "keygen",
+        help="make a node's CURVE key pair",
+        description="Write DIR/NAME.key (public: copy it into the --trusted folder of every node "
+        "that should admit this one) and DIR/NAME.key_secret (secret, mode 0600; pass --keys DIR).",
+    )
+    keys.add_argument("dir", type=Path, metavar="DIR", help="folder for the key pair (created if missing)")
+    keys.add_argument("--name", default=default_name(), help="file name of the pair (default: host name)")
     topology = commands.add_parser(
         "topology",
         help="inspect a topology: degree, spectral gap, diameter, bytes per round; draw it",
@@ -226,13 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _topology_command(args, parser)
         if args.command == "report":
             return _report_command(args.run, args.png or args.run.with_suffix(".png"))
+        if args.command == "keygen":
+            public, secret = keygen(args.dir, args.name)
+            print(f"public key {public}  (copy it into every trusted folder)\nsecret key {secret}")
+            return 0
         if args.command == "node":
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)
         mesh_config = parse_args_into(MeshConfig, args, os.environ)
         _preload_for_nodes()
         return run_mesh(mesh_config, node_main=main)
-    except (ConfigError, AddressError, TransportError, TopologyError, StatusServerError) as exc:
+    except (ConfigError, *USER_ERRORS) as exc:
         print(f"gossipmesh: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
 

@@ -35,7 +35,7 @@ from meshrun import quiet_mesh
 
 from p2p.address import free_ports
 from runtime.pacing import StepPacer
-from tasks import batches, load_task
+from tasks import Batches, load_task
 
 LR, MOMENTUM, BATCH, EVAL_INTERVAL_S = 0.05, 0.9, 32, 0.25
 
@@ -78,7 +78,7 @@ def ddp_worker(
     start = time.monotonic()
     timeline: list[dict[str, Any]] = []
     next_eval = 0.0
-    for steps, (inputs, targets) in enumerate(batches(shard, BATCH, seed=rank)):
+    for steps, (inputs, targets) in enumerate(Batches(shard, BATCH, seed=rank)):
         now = time.monotonic() - start
         if now >= next_eval and rank == 0:
             accuracy = task.evaluate(model.module).accuracy

@@ -26,7 +26,7 @@ from torch import nn
 from gossip import GossipOptimizer
 from runtime.config import node_config
 from runtime.peers import connect
-from tasks import Evaluation, Shard, batches, partition_indices
+from tasks import Batches, Evaluation, Shard, partition_indices
 from topologies import member_order
 
 EXAMPLES = 4096
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rank = members.index(peer.node_id)
     shard = task.shard(rank, len(members), partition=config.partition, seed=config.seed)
     steps = config.step_budget or math.inf
-    for step, (inputs, targets) in enumerate(batches(shard, config.batch_size, seed=config.seed + rank)):
+    for step, (inputs, targets) in enumerate(Batches(shard, config.batch_size, seed=config.seed + rank)):
         if step == steps:
             break
         loss = task.loss(model, inputs, targets)

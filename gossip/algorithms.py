@@ -32,6 +32,7 @@ from gossip.choco import CHOCO
 from gossip.compression import Codec
 from gossip.dpsgd import DPSGD
 from gossip.network import PeerNetwork
+from gossip.robust import RobustRule
 from gossip.sgp import SGP
 from topologies import Topology
 
@@ -122,8 +123,10 @@ class Algorithm:
         round_timeout: float,
         lock: AbstractContextManager[object] | None,
         codec: Codec | None = None,
+        robust: RobustRule | None = None,
     ) -> Averager:
-        """The averager; ValueError when ``codec`` compresses and this algorithm cannot."""
+        """The averager; ValueError when ``codec`` compresses and this algorithm cannot, or a
+        robust rule is given to an algorithm other than dpsgd."""
         codec = codec or Codec()
         options: dict[str, Any] = dict(self.params)
         if self.compresses:
@@ -133,6 +136,10 @@ class Algorithm:
                 f"--compression {codec} needs --algorithm choco: {self.name} sends whole models, "
                 "and only CHOCO's replicas keep convergence under a lossy codec"
             )
+        if robust is not None:
+            if self.name != "dpsgd":
+                raise AlgorithmError(f"robust mixing ({robust}) works with dpsgd only, not {self.name}")
+            options["robust"] = robust
         if "staleness" in options:
             options["max_staleness"] = options.pop("staleness")
         if "interval_ms" in options:

@@ -28,6 +28,7 @@ import numpy as np
 
 from gossip.averager import Averager, RoundStats
 from gossip.network import Envelope, PeerNetwork
+from gossip.robust import RobustRule
 from gossip.vector import add_scaled
 from topologies import MixingRow, Topology
 
@@ -39,6 +40,7 @@ class DPSGD(Averager):
 
     backup: proceed once this many neighbours' values are in (0: wait for all of them).
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
+    robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.robust``).
     """
 
     kinds: ClassVar[tuple[str, ...]] = (KIND,)
@@ -54,6 +56,7 @@ class DPSGD(Averager):
         max_staleness: int = 0,
         backup: int = 0,
         max_rounds_ahead: int = 64,
+        robust: RobustRule | None = None,
     ) -> None:
         super().__init__(
             peer,
@@ -64,6 +67,7 @@ class DPSGD(Averager):
             max_staleness=max_staleness,
         )
         self.backup = backup
+        self.robust = robust
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, np.ndarray]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, np.ndarray]] = {}  # newest late value of each sender
@@ -138,6 +142,9 @@ class DPSGD(Averager):
         """Renormalise the row over the values that came, discount old ones, mix."""
         total = row.self_weight + sum(row.receive_from[j] for j in values)
         weights = {j: row.receive_from[j] / total / (1 + age) for j, (_, age) in values.items()}
+        if self.robust is not None:
+            self.robust.mix(own, {j: (theirs, weights[j]) for j, (theirs, _) in values.items()}, self.params)
+            return
         np.multiply(own, 1.0 - sum(weights.values()), out=self.params)
         for sender, (theirs, _) in values.items():
             add_scaled(self.params, theirs, weights[sender], self._scratch)

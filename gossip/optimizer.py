@@ -19,6 +19,7 @@ from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
 from gossip.outer import OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
+from gossip.robust import RobustRule
 from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
@@ -55,6 +56,8 @@ class GossipOptimizer:
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while parameters are written (local step and mixing), so another thread can
             evaluate the model consistently.
+        robust: a Byzantine-robust mixing rule (``gossip.robust``: ``"clip"``, ``"trimmed-mean"``),
+            dpsgd only; None: the plain weighted mean.
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class GossipOptimizer:
         outer_momentum: float = 0.9,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        robust: RobustRule | str | None = None,
     ) -> None:
         spec = algorithm if isinstance(algorithm, Algorithm) else Algorithm.parse(algorithm)
+        rule = RobustRule.parse(robust) if isinstance(robust, str) else robust
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
         self.optimizer = optimizer
@@ -96,6 +101,7 @@ class GossipOptimizer:
             round_timeout=round_timeout,
             lock=lock,
             codec=codec,
+            robust=rule,
         )
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
@@ -181,11 +187,13 @@ class GossipOptimizer:
         return serve_requests(self.peer, self.snapshot)
 
     def join_from(self, source: str, *, timeout: float) -> int:
-        """Take ``source``'s state, start a few rounds ahead of it (time for the mesh to hear),
+        """Take ``source``'s state unless this node has trained at least as far (one resumed
+        from its own checkpoint), start a few rounds ahead of it (time for the mesh to hear),
         announce that round and return it."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
         snapshot = fetch_snapshot(self.peer, source, timeout=timeout, max_bytes=max_bytes)
-        self.restore(snapshot)
+        if snapshot.counters.get("local_steps", 0) > self.local_steps:
+            self.restore(snapshot)
         lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
         self.averager.restart(first_round)

@@ -1,11 +1,17 @@
 """LAN beacon: zero-configuration discovery by UDP broadcast on the local segment.
 
-Every node with the beacon on says "mesh NAME, node ID, dial me at ADDRESS" on the broadcast
+Every node with the beacon on says "mesh NAME, node ID, dial me at ADDRESS (with KEY)" on the broadcast
 address of each of its interfaces, often while it is alone and rarely once it has joined, and
 listens on the same port. A beacon from a node it does not know becomes a contact: the node
 swaps member tables with it, which joins two lone nodes, or merges two meshes of the same name
 that started apart. Beacons of other mesh names are ignored; nothing in a beacon is trusted
 beyond an address to try.
+
+Beacons are plain UDP, never encrypted or authenticated (CURVE covers ZeroMQ only): anyone on
+the segment can read them and forge them. A forged beacon can do no more than make a node try an
+address: on a secure node the CURVE key it names is used only if it is in the trusted folder, so
+the handshake fails unless the real holder of that key answers there; and a member's record only
+ever comes from the member table exchange that follows, over CURVE.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ class Beacon:
     Args:
         port: the UDP port every node of the mesh beacons on.
         mesh: the mesh name; beacons of other names are ignored.
-        node_id / address: what this node announces (``address`` read when announcing).
-        on_contact: called on the network thread with the address of an unknown node.
+        node_id / address / key: what this node announces (``address`` read when announcing;
+            ``key``: its CURVE public key, "" when insecure).
+        on_contact: called on the network thread with (id, address, key) of a node heard.
         alone: whether this node has no other member yet (it then beacons more often).
     """
 
@@ -49,13 +56,15 @@ class Beacon:
         mesh: str,
         node_id: Callable[[], str],
         address: Callable[[], str],
-        on_contact: Callable[[str, str], None],
+        key: str,
+        on_contact: Callable[[str, str, str], None],
         alone: Callable[[], bool],
     ) -> None:
         self.port = port
         self.mesh = mesh
         self._node_id = node_id
         self._address = address
+        self._key = key
         self._on_contact = on_contact
         self._alone = alone
         self.heard = 0
@@ -93,22 +102,31 @@ class Beacon:
 
     def _announce(self) -> None:
         beacon = msgpack.packb(
-            {"v": BEACON_VERSION, "mesh": self.mesh, "id": self._node_id(), "address": self._address()}
+            {
+                "v": BEACON_VERSION,
+                "mesh": self.mesh,
+                "id": self._node_id(),
+                "address": self._address(),
+                "key": self._key,
+            }
         )
         for target in broadcast_addresses():
             with contextlib.suppress(OSError):  # an interface without a route: try the others
                 self.socket.sendto(beacon, (target, self.port))
 
 
-def parse_beacon(data: bytes, mesh: str) -> tuple[str, str] | None:
-    """(node id, address) from a beacon of ``mesh``, or None for anything else."""
+def parse_beacon(data: bytes, mesh: str) -> tuple[str, str, str] | None:
+    """(node id, address, key) from a beacon of ``mesh``, or None for anything else."""
     if len(data) > MAX_BEACON_BYTES:
         return None
     try:
         beacon = msgpack.unpackb(data, raw=False, max_str_len=MAX_BEACON_BYTES, max_bin_len=0)
         if not isinstance(beacon, dict) or beacon.get("v") != BEACON_VERSION or beacon.get("mesh") != mesh:
             return None
-        return check_node_id(str(beacon["id"])), parse_endpoint(str(beacon["address"]))
+        key = beacon.get("key", "")
+        if not isinstance(key, str) or len(key) not in (0, 40):
+            return None
+        return check_node_id(str(beacon["id"])), parse_endpoint(str(beacon["address"])), key
     except (ValueError, KeyError, AddressError, msgpack.UnpackException):
         return None
 

@@ -11,6 +11,7 @@ Dead and departed lives stay as tombstones for a while, so stale gossip cannot r
 from __future__ import annotations
 
 import enum
+import re
 import secrets
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from p2p.address import AddressError, check_node_id, parse_endpoint
 
 _U63 = 2**63 - 1
+_Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 
 
 class Status(enum.Enum):
@@ -41,6 +43,7 @@ class Member:
     status: Status
     first_round: int = 0  # a member of gossip rounds >= first_round (a late joiner's start)
     last_round: int = -1  # once left: a member of rounds <= last_round (-1: of none)
+    key: str = ""  # its CURVE public key (z85), which a node dialing it must know; "" if insecure
 
     def to_wire(self) -> list[Any]:
         return [
@@ -51,14 +54,17 @@ class Member:
             self.status.value,
             self.first_round,
             self.last_round,
+            self.key,
         ]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Member:
         """Validate one update from the network; raises ValueError on anything malformed."""
-        if not isinstance(raw, list) or len(raw) != 7:
-            raise ValueError("a member update is a list of 7 fields")
-        node_id, address, session, incarnation, status, first_round, last_round = raw
+        if not isinstance(raw, list) or len(raw) != 8:
+            raise ValueError("a member update is a list of 8 fields")
+        node_id, address, session, incarnation, status, first_round, last_round, key = raw
+        if not isinstance(key, str) or not (key == "" or _Z85_KEY.match(key)):
+            raise ValueError("member key must be a 40-character z85 CURVE key or empty")
         if not isinstance(node_id, str) or not isinstance(address, str):
             raise ValueError("member id and address must be strings")
         try:
@@ -72,7 +78,7 @@ class Member:
         for value in (first_round, last_round):
             if type(value) is not int or not -1 <= value <= _U63:
                 raise ValueError("rounds must be ints >= -1")
-        return cls(node_id, address, session, incarnation, Status(status), first_round, last_round)
+        return cls(node_id, address, session, incarnation, Status(status), first_round, last_round, key)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ Runs on the network thread as a transport service; no node is special.
   raising its incarnation) within ``suspicion_mult * max(1, log10 n)`` intervals is declared
   dead. All timers use the monotonic clock.
 - Leave: the node tells every member at once, naming the last gossip round it took part in.
+- Healing: every ``reconnect_interval_s`` a node swaps tables with one member it holds dead (a
+  tombstone, kept ``tombstone_s``): after a partition heals, the halves find each other again
+  (the members declared dead learn it and start new lives), with no beacon or bootstrap.
 
 The view (``members(round)``) is round-aware so that nodes that learn of a change at slightly
 different times still agree on each round's graph: a member that left after round R counts for
@@ -60,6 +63,7 @@ class DetectorProfile:
     push_pull_interval_s: float = 10.0
     join_retry_s: float = 0.5
     tombstone_s: float = 60.0
+    reconnect_interval_s: float = 2.0
 
     def suspicion_timeout_s(self, members: int) -> float:
         return self.suspicion_mult * max(1.0, math.log10(max(members, 1))) * self.probe_interval_s
@@ -127,7 +131,10 @@ class Membership:
         self._bootstrap = list(bootstrap)
         self._clock = clock
         self._table = MemberTable()
-        self._me = Member(transport.node_id, "tcp://0.0.0.0:0", new_session(), 0, Status.ALIVE, first_round)
+        key = transport.curve.keys.public.decode() if transport.curve is not None else ""
+        self._me = Member(
+            transport.node_id, "tcp://0.0.0.0:0", new_session(), 0, Status.ALIVE, first_round, key=key
+        )
         self._view: tuple[Member, ...] = ()
         self._rng = random.Random()
         self._probe: _Probe | None = None
@@ -141,7 +148,7 @@ class Membership:
         self._started = False
         self._dialed: dict[str, float] = {}  # address -> when its connection can be used
         self._later: list[tuple[float, str, str, dict[str, Any]]] = []  # sends waiting for a dial
-        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "join": 0.0}
+        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "join": 0.0, "reconnect": 0.0}
         self.join_error = ""
 
     # -- any thread --------------------------------------------------------------------------
@@ -183,11 +190,14 @@ class Membership:
         """No other live member known (network thread)."""
         return not self._table.live()
 
-    def add_contact(self, node_id: str, address: str) -> None:
+    def add_contact(self, node_id: str, address: str, key: str = "") -> None:
         """A node heard of some other way (a beacon): swap tables with it unless it is known
-        (network thread). This joins lone nodes and merges meshes that started apart."""
+        (network thread). This joins lone nodes and merges meshes that started apart. ``key``
+        is only a hint: the transport dials with it only if it is trusted."""
         known = self._table.members.get(node_id)
         if known is None or not known.status.live or known.address != address:
+            if key:
+                self._transport.learn_key(address, key.encode())
             self._send(address, "sync", {"updates": self._everything()})
 
     def probe_soon(self, node_id: str) -> None:
@@ -199,15 +209,16 @@ class Membership:
 
     def on_message(self, message: Message) -> None:
         meta = message.meta
-        self._merge(meta.get("updates"))
+        peer = self._transport.peer_name(message)
+        self._merge(meta.get("updates"), peer)
         if message.kind == "ping":
-            self._reply(meta, "ack", {"probe": meta.get("probe"), "updates": self._piggyback()})
+            self._reply(meta, "ack", {"probe": meta.get("probe"), "updates": self._piggyback()}, peer)
         elif message.kind == "ack":
             self._on_ack(meta.get("probe"))
         elif message.kind == "ping_req":
-            self._on_ping_request(meta)
+            self._on_ping_request(meta, peer)
         elif message.kind == "sync":
-            self._reply(meta, "sync_reply", {"updates": self._everything()})
+            self._reply(meta, "sync_reply", {"updates": self._everything()}, peer)
 
     def on_tick(self, now: float) -> float:
         if not self._started:
@@ -229,8 +240,12 @@ class Membership:
         if now >= self._next["push_pull"]:
             self._push_pull()
             self._next["push_pull"] = now + self.profile.push_pull_interval_s
+        if now >= self._next["reconnect"]:
+            self._reconnect()
+            self._next["reconnect"] = now + self.profile.reconnect_interval_s
         self._expire(now)
-        timers = [self._next["probe"], self._next["gossip"], self._next["push_pull"], now + 1.0]
+        timers = [self._next["probe"], self._next["gossip"], self._next["push_pull"], self._next["reconnect"]]
+        timers.append(now + 1.0)
         if joining:
             timers.append(self._next["join"])
         wake = [*timers, *self._suspicions.values(), *(t for t, *_ in self._later)]
@@ -250,7 +265,9 @@ class Membership:
         self._publish()
 
     def _join(self, now: float) -> None:
-        """Send our table to every bootstrap address; the first answer makes us a member."""
+        """Send our table to every bootstrap address; the first answer makes us a member.
+        An address that did not answer is dialed afresh: a refused CURVE handshake is not
+        retried by ZeroMQ, and our key may have been trusted since."""
         addresses: set[str] = set()
         for name in self._bootstrap:
             try:
@@ -258,6 +275,8 @@ class Membership:
             except AddressError as exc:
                 self.join_error = str(exc)  # DNS may not list the others yet: retry
         for address in addresses - {self._transport.address}:
+            if self._dialed.pop(address, now) < now:
+                self._transport.disconnect(address)
             self._send(address, "sync", {"updates": self._everything()})
         self._next["join"] = now + self.profile.join_retry_s
 
@@ -265,6 +284,16 @@ class Membership:
         live = self._table.live()
         if live:
             self._send(self._rng.choice(live).address, "sync", {"updates": self._everything()})
+
+    def _reconnect(self) -> None:
+        """Swap tables with a member held dead, over a fresh connection (the old one may be
+        stuck behind what was queued while the network was split)."""
+        dead = [m for m in self._table.members.values() if m.status == Status.DEAD]
+        if dead:
+            address = self._rng.choice(dead).address
+            self._transport.disconnect(address)
+            self._dialed.pop(address, None)
+            self._send(address, "sync", {"updates": self._everything()})
 
     # -- probing ------------------------------------------------------------------------------
 
@@ -328,7 +357,7 @@ class Membership:
             requester, their_probe, _ = self._forwards.pop(probe_id)
             self._send(requester, "ack", {"probe": their_probe})
 
-    def _on_ping_request(self, meta: Any) -> None:
+    def _on_ping_request(self, meta: Any, peer: str) -> None:
         their_probe = meta.get("probe")
         try:
             target = parse_endpoint(str(meta.get("target")))
@@ -336,7 +365,7 @@ class Membership:
         except AddressError:
             their_probe = None
         if type(their_probe) is not int:
-            self._transport.stats.rejected["bad_membership"] += 1
+            self._transport.reject(peer, "bad_membership", "ping_req without a probe, target or reply_to")
             return
         probe_id = next(self._probe_ids)
         self._forwards[probe_id] = (requester, their_probe, time.monotonic() + self.profile.probe_interval_s)
@@ -353,15 +382,15 @@ class Membership:
 
     # -- news ---------------------------------------------------------------------------------
 
-    def _merge(self, updates: Any) -> None:
+    def _merge(self, updates: Any, peer: str) -> None:
         if not isinstance(updates, list):
             return
         now = time.monotonic()
         for raw in updates:
             try:
                 news = Member.from_wire(raw)
-            except ValueError:
-                self._transport.stats.rejected["bad_membership"] += 1
+            except ValueError as exc:
+                self._transport.reject(peer, "bad_membership", str(exc))
                 continue
             if news.id == self._me.id:
                 answer = refuted(self._me, news)
@@ -378,6 +407,8 @@ class Membership:
         if change.event is not None:
             self._record(change)
         member = change.member
+        if member.key:
+            self._transport.learn_key(member.address, member.key.encode())
         if change.event == "suspected":
             timeout = self.profile.suspicion_timeout_s(len(self._table.live()) + 1)
             self._suspicions.setdefault(member.id, now + timeout)
@@ -474,10 +505,10 @@ class Membership:
         for _, address, kind, meta in due:
             self._transport.send(address, kind, 0, meta=meta)
 
-    def _reply(self, meta: Any, kind: str, payload: dict[str, Any]) -> None:
+    def _reply(self, meta: Any, kind: str, payload: dict[str, Any], peer: str) -> None:
         try:
             address = parse_endpoint(str(meta.get("reply_to")))
-        except AddressError:
-            self._transport.stats.rejected["bad_membership"] += 1
+        except AddressError as exc:
+            self._transport.reject(peer, "bad_membership", str(exc))
             return
         self._send(address, kind, payload)

@@ -14,6 +14,7 @@ import numpy as np
 
 from p2p.beacon import Beacon
 from p2p.membership import PROFILES, DetectorProfile, Membership
+from p2p.security import Curve
 from p2p.transport import Transport, TransportError, TransportStats
 from p2p.wire import Limits, Message
 
@@ -22,7 +23,8 @@ class Peer:
     """Args are those of :class:`~p2p.transport.Transport`, plus ``bootstrap`` (addresses of live
     members to join through; none: start a mesh of one), those of
     :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``), and
-    ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off)."""
+    ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off). ``curve``: keys for
+    CURVE on every socket (see ``p2p.security``); None runs insecure."""
 
     def __init__(
         self,
@@ -39,9 +41,16 @@ class Peer:
         first_round: int = 0,
         beacon_port: int = 0,
         mesh_name: str = "gossipmesh",
+        curve: Curve | None = None,
     ) -> None:
         self.transport = Transport(
-            node_id, listen, advertise=advertise, inbox_kinds=inbox_kinds, limits=limits, linger_s=linger_s
+            node_id,
+            listen,
+            advertise=advertise,
+            inbox_kinds=inbox_kinds,
+            limits=limits,
+            linger_s=linger_s,
+            curve=curve,
         )
         self.bootstrap = list(bootstrap)
         self.membership = Membership(
@@ -60,6 +69,7 @@ class Peer:
                 mesh=mesh_name,
                 node_id=lambda: self.transport.node_id,
                 address=lambda: self.transport.address,
+                key=curve.keys.public.decode() if curve is not None else "",
                 on_contact=self.membership.add_contact,
                 alone=self.membership.alone,
             )

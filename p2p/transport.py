@@ -5,6 +5,11 @@ touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payloa
 the frames to the network thread, which sends them without blocking (a full or unreachable peer
 drops the message and counts it). Received messages are decoded and validated on the network
 thread; valid ones go to a bounded inbox that :meth:`Transport.recv` reads with a timeout.
+Rejected ones are counted per reason and per peer (see ``p2p.rejections``); a peer that keeps
+sending garbage is shunned, its messages dropped unread.
+
+With a :class:`~p2p.security.Curve` every socket is CURVE-encrypted and only peers with a trusted
+key get a frame through (see ``p2p.security``); without one, nothing is authenticated.
 
 A payload larger than ``chunk_bytes`` goes as a stream of chunks (``p2p.wire.encode_chunks``):
 the network thread feeds a peer's chunks to its socket as the socket takes them (waiting for
@@ -35,6 +40,8 @@ import zmq
 
 from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
 from p2p.inbox import Inbox
+from p2p.rejections import Rejections
+from p2p.security import Authenticator, Curve, configure_client, configure_server
 from p2p.stream import Assembler
 from p2p.wire import (
     CHUNK_BYTES,
@@ -50,6 +57,7 @@ from p2p.wire import (
 
 _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
+_HEARTBEAT_MS = 1000
 MAX_STREAMS_PER_PEER = 4  # streams waiting for one peer's socket; more drop the oldest
 
 
@@ -77,12 +85,21 @@ class TransportStats:
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    rejections: Rejections = field(default_factory=Rejections)
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """Rejected messages by reason."""
+        return self.rejections.by_reason
+
+    @property
+    def rejected_by_peer(self) -> dict[str, Counter[str]]:
+        return self.rejections.by_peer
 
     @property
     def messages_rejected(self) -> int:
-        return sum(self.rejected.values())
+        return self.rejections.total
 
 
 class Transport:
@@ -101,6 +118,7 @@ class Transport:
         send_queue: messages queued per peer before sends to it are dropped (ZMQ_SNDHWM).
         inbox_size: received messages held for the application before the oldest is dropped.
         linger_s: how long :meth:`close` lets queued messages drain.
+        curve: this node's keys and the trusted keys; None runs without CURVE (insecure).
         chunk_bytes: payloads larger than this go as a stream of chunks of this size.
     """
 
@@ -115,9 +133,11 @@ class Transport:
         send_queue: int = 64,
         inbox_size: int = 4096,
         linger_s: float = 1.0,
+        curve: Curve | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.node_id = check_node_id(node_id)
+        self.curve = curve
         self.listen = parse_endpoint(listen)
         self.limits = limits
         self.stats = TransportStats()
@@ -142,8 +162,11 @@ class Transport:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._context = zmq.Context()
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._dealers: dict[str, dict[bytes, zmq.Socket[bytes]]] = {}  # address -> server key -> socket
+        self._server_keys: dict[str, bytes] = {}  # address -> its CURVE public key, once known
+        self._authenticator: Authenticator | None = None
         self._last_seq: dict[str, tuple[int, int]] = {}
+        self._peer_keys: dict[str, str] = {}  # sender id -> the CURVE key its messages came with
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._startup_error: TransportError | None = None
@@ -201,12 +224,8 @@ class Transport:
         Tensors are sent from their own memory: do not modify them afterwards.
         """
         fields: dict[str, Any] = {
-            "kind": kind,
-            "sender": self.node_id,
-            "round": round,
-            "tensors": tensors,
-            "meta": meta,
-        }
+            "kind": kind, "sender": self.node_id, "round": round, "tensors": tensors, "meta": meta
+        }  # fmt: skip
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
             if sum(t.nbytes for t in tensors) <= self._chunk_bytes:
                 frames = encode(**fields, session=self._session, seq=next(self._seq))
@@ -242,7 +261,11 @@ class Transport:
     # -- network thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.curve is not None:
+            self._authenticator = Authenticator(self._context, self.curve.trusted)
         router = self._context.socket(zmq.ROUTER)
+        if self.curve is not None:
+            configure_server(router, self.curve.keys)
         largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
         router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -273,7 +296,7 @@ class Transport:
                 for fd, on_readable in self._readers.items():
                     if fd in events:
                         on_readable()
-                for address in [a for a, d in self._dealers.items() if d in events]:
+                for address in [a for a in self._streams if events.keys() & self._dealer(a).values()]:
                     self._feed(address)
                 self._run_commands()
                 now = time.monotonic()
@@ -282,8 +305,9 @@ class Transport:
             self._run_commands()  # last sends (e.g. a leave) before the sockets close
         finally:
             router.close(linger=0)
-            for dealer in self._dealers.values():
-                dealer.close(linger=self._linger_ms)
+            for dealers in self._dealers.values():
+                for dealer in dealers.values():
+                    dealer.close(linger=self._linger_ms)
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(_DRAIN_BATCH):
@@ -294,33 +318,47 @@ class Transport:
             self.stats.bytes_received += sum(len(f) for f in frames[1:])
             self._accept(frames[0].bytes, frames[1:])
 
+    def reject(self, peer: str, reason: str, detail: str = "") -> None:
+        """Count a message from ``peer`` that was rejected (network thread; services use it too)."""
+        self.stats.rejections.reject(peer, reason, detail)
+
+    def peer_name(self, message: Message) -> str:
+        """Who sent ``message``, as rejections count it (the sender's key when CURVE is on)."""
+        key = self._peer_keys.get(message.sender)
+        return f"{message.sender} ({key})" if key else message.sender
+
     def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
+        claimed = routing_id.decode("ascii", errors="replace")
+        key = _user_id(frames[0]) if self.curve is not None and frames else ""
+        peer = f"{claimed} ({key})" if key else claimed
+        if self.stats.rejections.shunned(peer):
+            self.reject(peer, "shunned")
+            return
         try:
             decoded = decode(frames, self.limits)
         except WireError as exc:
-            self.stats.rejected[exc.reason] += 1
+            self.reject(peer, exc.reason, exc.detail)
             return
-        envelope = decoded.message if isinstance(decoded, Chunk) else decoded
-        if envelope.sender.encode() != routing_id:
-            self.stats.rejected["sender_mismatch"] += 1
+        message = decoded.message if isinstance(decoded, Chunk) else decoded
+        if message.sender != claimed:
+            self.reject(peer, "sender_mismatch", f"header says {message.sender!r}")
             return
-        last = self._last_seq.get(envelope.sender)
-        if last is not None and last[0] == envelope.session and envelope.seq <= last[1]:
-            self.stats.rejected["replayed"] += 1
+        last = self._last_seq.get(message.sender)
+        if last is not None and last[0] == message.session and message.seq <= last[1]:
+            self.reject(peer, "replayed", f"seq {message.seq} <= {last[1]}")
             return
-        self._last_seq[envelope.sender] = (envelope.session, envelope.seq)
+        if key:
+            self._peer_keys[message.sender] = key
+        self._last_seq[message.sender] = (message.session, message.seq)
         if isinstance(decoded, Chunk):
             try:
                 assembled = self._assembler.add(decoded)
             except WireError as exc:
-                self.stats.rejected[exc.reason] += 1
+                self.reject(peer, exc.reason, exc.detail)
                 return
-            if assembled is not None:
-                self._deliver(assembled)
-        else:
-            self._deliver(decoded)
-
-    def _deliver(self, message: Message) -> None:
+            if assembled is None:
+                return
+            message = assembled
         self.stats.messages_received += 1
         service = self._services.get(message.kind)
         if service is not None:
@@ -329,7 +367,7 @@ class Transport:
             if not self._inbox.put(message):
                 self.stats.dropped["inbox_full"] += 1
         else:
-            self.stats.rejected["unknown_kind"] += 1
+            self.reject(peer, "unknown_kind", message.kind)
 
     def connect(self, address: str) -> None:
         """Open the connection to ``address`` ahead of the first send (network thread only)."""
@@ -337,29 +375,57 @@ class Transport:
 
     def disconnect(self, address: str) -> None:
         """Close the connection to ``address``, dropping what is queued (network thread only)."""
-        dealer = self._dealers.pop(address, None)
-        if dealer is not None:
-            if self._streams.pop(address, None):
+        self._streams.pop(address, None)
+        for dealer in self._dealers.pop(address, {}).values():
+            if dealer in self._poller:
                 self._poller.unregister(dealer)
             dealer.close(linger=0)
 
-    def _dealer(self, address: str) -> zmq.Socket[bytes]:
-        dealer = self._dealers.get(address)
-        if dealer is None:
-            dealer = self._dealers[address] = self._open_dealer(address)
-        return dealer
+    def learn_key(self, address: str, key: bytes) -> None:
+        """The CURVE public key of the node at ``address`` (from its member record; network
+        thread). Connections tried with other keys are closed; an untrusted key is ignored."""
+        if self.curve is None or self._server_keys.get(address) == key or not self.curve.trusted.allows(key):
+            return
+        self._server_keys[address] = key
+        dealers = self._dealers.get(address, {})
+        for other in [k for k in dealers if k != key]:
+            dealer = dealers.pop(other)
+            if dealer in self._poller:
+                self._poller.unregister(dealer)
+            dealer.close(linger=0)
+
+    def _dealer(self, address: str) -> dict[bytes, zmq.Socket[bytes]]:
+        """The connection(s) to ``address``: one, or with CURVE and its key not known yet (a
+        bootstrap address), one per trusted key, of which only the right one completes."""
+        dealers = self._dealers.get(address)
+        if not dealers:
+            if self.curve is None:
+                keys: Iterable[bytes] = [b""]
+            elif address in self._server_keys:
+                keys = [self._server_keys[address]]
+            else:
+                keys = sorted(self.curve.trusted.current())
+            dealers = self._dealers[address] = {key: self._open_dealer(address, key) for key in keys}
+        return dealers
 
     def _send_now(self, address: str, frames: list[Any]) -> None:
-        dealer = self._dealer(address)
-        try:
-            dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        sent = 0
+        for dealer in self._dealer(address).values():
+            try:
+                dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                sent += 1
+            except zmq.Again:
+                continue
+        if not sent:
             self.stats.dropped["peer_unreachable_or_full"] += 1
             return
         self.stats.messages_sent += 1
         self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
 
     def _send_stream(self, address: str, chunks: list[list[Any]]) -> None:
+        if len(self._dealer(address)) != 1:  # CURVE, and the peer's key not known yet
+            self.stats.dropped["peer_key_unknown"] += 1
+            return
         streams = self._streams.setdefault(address, deque())
         if len(streams) >= MAX_STREAMS_PER_PEER:
             streams.popleft()  # its receiver discards the unfinished stream when the next begins
@@ -370,7 +436,7 @@ class Transport:
     def _feed(self, address: str) -> None:
         """Send the peer's waiting chunks while its socket takes them; then wait for room."""
         streams = self._streams.get(address)
-        dealer = self._dealer(address)
+        (dealer,) = self._dealer(address).values()
         while streams:
             chunks = streams[0]
             try:
@@ -387,10 +453,15 @@ class Transport:
         if dealer in self._poller:
             self._poller.unregister(dealer)
 
-    def _open_dealer(self, address: str) -> zmq.Socket[bytes]:
+    def _open_dealer(self, address: str, server_key: bytes) -> zmq.Socket[bytes]:
         dealer = self._context.socket(zmq.DEALER)
+        if self.curve is not None:
+            configure_client(dealer, self.curve.keys, server_key)
         dealer.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
         dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
+        # a connection that goes silent (a partition, a crashed host) is dropped and redialed
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
         dealer.setsockopt(zmq.SNDHWM, self._send_queue)
         dealer.setsockopt(zmq.LINGER, self._linger_ms)
         dealer.connect(address)
@@ -412,9 +483,19 @@ class Transport:
     def _close_context(self) -> None:
         if self._context.closed:
             return
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The CURVE public key the ZAP handler admitted this frame's connection with."""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:
+        return ""
 
 
 def _nbytes(frame: Any) -> int:

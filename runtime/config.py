@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 
 import topologies
 from gossip import ALGORITHMS, CODECS, Algorithm, AlgorithmError, parse_codec
+from gossip.robust import RobustError, RobustRule
 from p2p.address import AddressError, check_node_id, parse_endpoint
 from p2p.membership import PROFILES
+from runtime.byzantine import ByzantineError, parse_byzantine
 from runtime.chaos import ChaosAction, parse_join, parse_kill, parse_leave, parse_pause
 from runtime.logs import LOG_FORMATS
 from tasks import TASKS, TaskError, parse_dirichlet, task_factory
@@ -51,8 +53,25 @@ def _option(
 ) -> Any:
     return field(
         default=default,
-        metadata={"help": help, "parse": parse, "metavar": metavar, "repeat": repeat},
+        metadata={"help": help, "parse": parse, "metavar": metavar, "repeat": repeat, "switch": False},
     )
+
+
+def _switch(help: str) -> Any:
+    """An on/off option: a flag without a value; true/false in a file; 1/0, yes/no in the env."""
+    return field(
+        default=False,
+        metadata={"help": help, "parse": _truth, "metavar": None, "repeat": False, "switch": True},
+    )
+
+
+def _truth(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
 
 
 def _flag(name: str) -> str:
@@ -108,6 +127,11 @@ class TrainConfig:
     startup_timeout: float = _option(60.0, "longest wait for the bootstrap peers, s", parse=float)
     eval_interval: float = _option(0.25, "seconds between timeline points", parse=float)
     profile: str = _option("local", f"failure-detector timings: {', '.join(PROFILES)}")
+    robust: str = _option(
+        "none",
+        "Byzantine-robust mixing (dpsgd): none, clip (self-centred clipping) or trimmed-mean; "
+        "':b=K' tolerates K bad neighbours (default 1)",
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -170,6 +194,15 @@ class TrainConfig:
             "--profile",
             f"unknown profile {self.profile!r}; choose {', '.join(PROFILES)}",
         )
+        try:
+            rule = RobustRule.parse(self.robust)
+        except RobustError as exc:
+            raise ConfigError(f"--robust: {exc}") from None
+        _check(
+            rule is None or algorithm.name == "dpsgd",
+            "--robust",
+            f"works with --algorithm dpsgd, not {algorithm.name}",
+        )
 
     @property
     def graph(self) -> topologies.Topology:
@@ -211,6 +244,34 @@ class NodeConfig(TrainConfig):
         metavar="N",
     )
 
+    keys: Path | None = _option(
+        None,
+        "folder with this node's CURVE key pair (ID.key_secret, or the only one there); "
+        "make one with: gossipmesh keygen DIR",
+        parse=Path,
+        metavar="DIR",
+    )
+    trusted: Path | None = _option(
+        None,
+        "folder of the public keys (*.key) of the nodes allowed in; re-read when it changes",
+        parse=Path,
+        metavar="DIR",
+    )
+    insecure: bool = _switch("run without CURVE: no encryption, no authentication (logged loudly)")
+    state_dir: Path | None = _option(
+        None,
+        "folder for checkpoints; the node resumes from the newest one there",
+        parse=Path,
+        metavar="DIR",
+    )
+    checkpoint_every: int = _option(
+        100, "with --state-dir: write a checkpoint every N steps (and on stop)", parse=int, metavar="N"
+    )
+    byzantine: str | None = _option(
+        None,
+        "for tests and benchmarks: send corrupted models, scale:FACTOR or random:STD",
+        metavar="MODE",
+    )
     report: Path | None = _option(None, "write the run report (JSON) here", parse=Path)
     save_params: Path | None = _option(None, "write the final flat parameters (.npy) here", parse=Path)
     slowdown: float = _option(1.0, "make every step this many times longer", parse=float)
@@ -253,6 +314,26 @@ class NodeConfig(TrainConfig):
         _check(self.progress in ("text", "json", "none"), "--progress", "choose text, json or none")
         _check(self.log_format in LOG_FORMATS, "--log-format", f"choose {' or '.join(LOG_FORMATS)}")
         _check_port(self.metrics_port)
+        _check(self.checkpoint_every >= 1, "--checkpoint-every", f"must be >= 1, got {self.checkpoint_every}")
+        if self.byzantine is not None:
+            try:
+                parse_byzantine(self.byzantine)
+            except ByzantineError as exc:
+                raise ConfigError(f"--byzantine: {exc}") from None
+        if self.insecure:
+            _check(
+                self.keys is None and self.trusted is None,
+                "--insecure",
+                "give --insecure or --keys/--trusted, not both",
+            )
+        else:
+            _check(
+                self.keys is not None and self.trusted is not None,
+                "--keys",
+                "a node needs --keys DIR and --trusted DIR (make a key pair with: gossipmesh keygen "
+                "DIR, and put every node's public .key in the trusted folder), or --insecure to run "
+                "without encryption and authentication",
+            )
 
 
 @dataclass(frozen=True)
@@ -281,6 +362,12 @@ class MeshConfig(TrainConfig):
     pause: tuple[str, ...] = _option(
         (), "RANK@SECONDS:DURATION: stop node RANK (SIGSTOP) for DURATION s (repeatable)", repeat=True
     )
+    insecure: bool = _switch("run the nodes without CURVE (by default the mesh makes a key pair per node)")
+    byzantine: tuple[str, ...] = _option(
+        (),
+        "RANK:MODE, node RANK sends corrupted models: scale:FACTOR or random:STD (repeatable)",
+        repeat=True,
+    )
     report: Path | None = _option(None, "report path (default: RUN_DIR/report.json)", parse=Path)
     run_dir: Path | None = _option(
         None, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)", parse=Path
@@ -300,6 +387,7 @@ class MeshConfig(TrainConfig):
             raise ConfigError(f"--topology: {exc}") from None
         self.slowdown_by_rank()  # validates
         self.batch_by_rank()
+        self.byzantine_by_rank()
         self.chaos()
 
     def chaos(self) -> list[ChaosAction]:
@@ -331,6 +419,19 @@ class MeshConfig(TrainConfig):
             _check(int(size) >= 1, "--node-batch", f"size must be >= 1, got {size}")
         return sizes
 
+    def byzantine_by_rank(self) -> dict[int, str]:
+        modes: dict[int, str] = {}
+        for text in self.byzantine:
+            rank, _, mode = text.partition(":")
+            _check(rank.isdigit(), "--byzantine", f"{text!r}: expected RANK:MODE, e.g. 2:scale:-10")
+            _check(int(rank) < self.nodes, "--byzantine", f"rank {rank} is not in 0..{self.nodes - 1}")
+            try:
+                parse_byzantine(mode)
+            except ByzantineError as exc:
+                raise ConfigError(f"--byzantine {text!r}: {exc}") from None
+            modes[int(rank)] = mode
+        return modes
+
     def slowdown_by_rank(self) -> dict[int, float]:
         factors: dict[int, float] = {}
         for text in self.slowdown:
@@ -355,6 +456,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[TrainConfig]) -> No
     for f in dataclasses.fields(cls):
         meta = f.metadata
         default = "" if f.default in (None, ()) else f" (default: {f.default})"
+        if meta["switch"]:
+            parser.add_argument(
+                _flag(f.name), dest=f.name, action="store_const", const=True, help=meta["help"],
+                default=argparse.SUPPRESS,
+            )  # fmt: skip
+            continue
         parser.add_argument(
             _flag(f.name),
             dest=f.name,
@@ -442,6 +549,7 @@ _TYPE_NAMES: dict[Callable[[str], Any], str] = {
     float: "number",
     str: "text",
     Path: "path",
+    _truth: "true or false",
 }
 
 
@@ -451,6 +559,8 @@ def _coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
     if f.metadata["repeat"]:
         items = value if isinstance(value, list | tuple) else [value]
         return tuple(part.strip() for item in items for part in str(item).split(",") if part.strip())
+    if parse is _truth and isinstance(value, bool):
+        return value
     if isinstance(value, str):
         try:
             return parse(value)

@@ -3,7 +3,9 @@
 Each node runs the daemon's own entry point (``gossipmesh node ...``) with a free port, one
 compute thread and the shared report clock. The first node starts the mesh; the others join
 through its address alone and wait until all N are members (``--expect N``), then all train from
-round 0. The launcher reads the nodes' JSON progress lines into a live table, carries out the
+round 0. Unless ``--insecure``, the launcher makes a CURVE key pair per node and a trusted folder
+of their public keys (a joiner's key is added before it starts: nodes re-read the folder).
+The launcher reads the nodes' JSON progress lines into a live table, carries out the
 fault schedule (``--kill``, ``--leave``, ``--pause``, ``--join``), stops every node on Ctrl-C or
 SIGTERM, and merges the nodes' reports into one (adding the consensus distance of the final
 models).
@@ -18,6 +20,7 @@ terminal reaches only the launcher, which then stops the nodes gracefully.
 from __future__ import annotations
 
 import selectors
+import shutil
 import signal
 import sys
 import threading
@@ -31,6 +34,7 @@ import numpy as np
 
 from gossip import consensus_distance
 from p2p.address import free_ports
+from p2p.security import keygen
 from runtime import report_view
 from runtime.chaos import ChaosAction
 from runtime.config import MeshConfig, as_flags, summary
@@ -55,6 +59,8 @@ class Mesh:
         self._selector = selectors.DefaultSelector()
         self._slowdown = config.slowdown_by_rank()
         self._batch = config.batch_by_rank()
+        self._byzantine = config.byzantine_by_rank()
+        self.trusted = run_dir / "trusted"
 
     def clock(self) -> float:
         return time.time() - self.origin
@@ -77,11 +83,23 @@ class Mesh:
             *as_flags(self.config),
             *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
             *(["--metrics-port", str(self.config.metrics_port + rank)] if self.config.metrics_port else []),
+            *(["--byzantine", self._byzantine[rank]] if rank in self._byzantine else []),
+            *self._security_flags(node.id),
         ]  # fmt: skip
         node.start(self.node_main, argv)
         self._selector.register(node.progress_fd, selectors.EVENT_READ, node)
         self.nodes.append(node)
         return node
+
+    def _security_flags(self, node_id: str) -> list[str]:
+        """--insecure, or a fresh key pair for the node with its public key made trusted."""
+        if self.config.insecure:
+            return ["--insecure"]
+        keys = self.run_dir / "keys" / node_id
+        public, _ = keygen(keys, node_id)
+        self.trusted.mkdir(exist_ok=True)
+        shutil.copy(public, self.trusted)
+        return ["--keys", str(keys), "--trusted", str(self.trusted)]
 
     def live(self) -> list[NodeProcess]:
         return [n for n in self.nodes if n.poll() is None and n.t_killed is None]

@@ -36,14 +36,15 @@ class NodeProcess:
         self._pid = 0
         self._partial = b""
 
-    def start(self, node_main: NodeMain, argv: list[str]) -> None:
-        """Fork and run ``node_main(argv)`` in the child (which never returns here)."""
+    def start(self, node_main: NodeMain, argv: list[str], enter: Callable[[], None] | None = None) -> None:
+        """Fork and run ``node_main(argv)`` in the child (which never returns here), after
+        ``enter()`` (e.g. moving into a network namespace) when given."""
         read_fd, write_fd = os.pipe()
         log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
-            _run_forked(node_main, argv, stdout_fd=write_fd, stderr_fd=log_fd)
+            _run_forked(node_main, argv, stdout_fd=write_fd, stderr_fd=log_fd, enter=enter)
         os.close(write_fd)
         os.close(log_fd)
         os.set_blocking(read_fd, False)
@@ -128,7 +129,9 @@ class NodeProcess:
         return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
 
 
-def _run_forked(node_main: NodeMain, argv: list[str], *, stdout_fd: int, stderr_fd: int) -> None:
+def _run_forked(
+    node_main: NodeMain, argv: list[str], *, stdout_fd: int, stderr_fd: int, enter: Callable[[], None] | None
+) -> None:
     """The body of a forked node: its own session, its own stdout and stderr; never returns."""
     code = 1
     try:
@@ -137,6 +140,8 @@ def _run_forked(node_main: NodeMain, argv: list[str], *, stdout_fd: int, stderr_
         os.dup2(stderr_fd, 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until _exit
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        if enter is not None:
+            enter()
         code = node_main(argv)
     except BaseException:
         traceback.print_exc()

@@ -3,6 +3,7 @@ training loops (``connect``) to become a member of a mesh."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -14,8 +15,12 @@ from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
 from p2p import Peer
 from p2p.address import split_endpoint
 from p2p.membership import PROFILES
+from p2p.security import Curve, insecure_warning
 from p2p.wire import Limits
 from runtime.config import NodeConfig
+from runtime.logs import NODE_LOGGER
+
+log = logging.getLogger(NODE_LOGGER)
 
 
 def make_peer(
@@ -26,9 +31,14 @@ def make_peer(
     clock: Callable[[], float] = time.monotonic,
     first_round: int = 0,
 ) -> Peer:
-    """A peer (not started) with the config's addresses and discovery, and messages limited to
-    what this model needs."""
+    """A peer (not started) with the config's addresses, discovery and CURVE keys (none with
+    ``--insecure``, said loudly in the log), and messages limited to what this model needs."""
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    curve = None
+    if config.insecure:
+        log.warning(insecure_warning())
+    elif config.keys is not None and config.trusted is not None:
+        curve = Curve.load(config.keys, config.trusted, node_id)
     return Peer(
         node_id,
         config.listen,
@@ -40,6 +50,7 @@ def make_peer(
         first_round=first_round,
         beacon_port=config.beacon,
         mesh_name=config.mesh_name,
+        curve=curve,
     )
 
 
@@ -59,6 +70,11 @@ def connect(config: NodeConfig, model: torch.nn.Module) -> Peer:
 
 def default_id(listen: str) -> str:
     """HOSTNAME-PORT, made a valid node id."""
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
     _, port = split_endpoint(listen)
-    return f"{host.strip('-.') or 'node'}-{port or os.getpid()}"
+    return f"{default_name()}-{port or os.getpid()}"
+
+
+def default_name() -> str:
+    """This host's name, made valid as a node id (and a key file name)."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
+    return host.strip("-.") or "node"

@@ -48,6 +48,9 @@ class NodeRecord:
     messages_rejected: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
+    rejected_by_peer: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> reason -> count
+    shunned_peers: list[str] = field(default_factory=list)
+    resumed_from: str | None = None  # the checkpoint a restarted node resumed from
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None
     shard: dict[str, Any] = field(default_factory=dict)  # partition, examples, examples per label

@@ -2,7 +2,9 @@
 
 A node that starts with the mesh trains from round 0. A late joiner first takes a live
 member's state (parameters, optimizer buffers, counters) and starts a few rounds ahead of it;
-every node answers such requests between its steps.
+every node answers such requests between its steps. With a state folder the node checkpoints
+every few steps and when it stops, and a restarted node resumes from its newest checkpoint
+(then takes a live member's state only if that one has trained further).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from typing import Any
 import torch
 
 from gossip import GossipOptimizer
+from gossip.state import Snapshot
 from p2p import Peer
+from runtime.byzantine import ByzantinePeer, parse_byzantine
+from runtime.checkpoint import Checkpoint, save_checkpoint
 from runtime.config import NodeConfig
 from runtime.console import emit, progress_line, say
 from runtime.metrics import NodeMetrics
 from runtime.pacing import StepPacer
 from runtime.recorder import Recorder
 from runtime.report import NodeRecord, TimelinePoint
-from tasks import Task, batches
+from tasks import Batches, Task
 from topologies import member_order
 
 _LOSS_SMOOTHING = 0.9
@@ -53,9 +58,10 @@ class Trainer:
         self.train_loss = math.nan
         self.lock = threading.Lock()
         lr = config.lr * config.batch_size / config.reference_batch  # the same step per example
+        network = peer if config.byzantine is None else ByzantinePeer(peer, parse_byzantine(config.byzantine))
         self.optimizer = GossipOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum),
-            peer=peer,
+            peer=network,
             algorithm=config.algorithm,
             topology=config.graph,
             average_every=config.local_steps or config.average_every,
@@ -64,6 +70,7 @@ class Trainer:
             outer_momentum=config.outer_momentum,
             round_timeout=config.round_timeout,
             lock=self.lock,
+            robust=config.robust,
         )
         self.recorder = Recorder(
             evaluate=lambda: task.evaluate(model),
@@ -87,6 +94,38 @@ class Trainer:
         """Held-out (loss, accuracy) at the last timeline point."""
         timeline = self.recorder.timeline
         return (timeline[-1].loss, timeline[-1].accuracy) if timeline else None
+        self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
+        self._batches: Batches | None = None
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue from a checkpoint of this node: model, optimizer, counters, RNG, data order."""
+        tensors, counters = checkpoint.tensors, checkpoint.counters
+        model_state = {k: v for k, v in tensors.items() if k == "params" or k.startswith("optimizer.")}
+        self.optimizer.restore(Snapshot(model_state, {"local_steps": counters["local_steps"]}))
+        self.record.steps = int(counters["steps"])
+        torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
+        self._sampler_at = (
+            torch.from_numpy(tensors["sampler.pass_start"].copy()),
+            int(counters["sampler_used"]),
+        )
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint to the state folder (see ``runtime.checkpoint``)."""
+        assert self.config.state_dir is not None and self._batches is not None
+        snapshot = self.optimizer.snapshot()
+        pass_start, used = self._batches.position()
+        tensors = {
+            **snapshot.tensors,
+            "rng.torch": torch.get_rng_state().numpy(),
+            "sampler.pass_start": pass_start.numpy(),
+        }
+        counters = {
+            "local_steps": self.optimizer.local_steps,
+            "round": self.optimizer.averager.round,
+            "sampler_used": used,
+            "node_id": self.peer.node_id,
+        }
+        save_checkpoint(self.config.state_dir, self.record.steps, tensors, counters)
 
     def join_running_mesh(self) -> None:
         """Take the state of a live member (the first other one in member order)."""
@@ -108,10 +147,18 @@ class Trainer:
         deadline = config.duration if config.duration else math.inf  # on the report clock: a late
         # joiner of a mesh stops when the others do
         record.t_first_step = round(self.clock(), 3)
+        self._batches = Batches(
+            shard, config.batch_size, seed=config.seed + record.rank, resume=self._sampler_at
+        )
+        checkpoints = config.state_dir is not None
         self.recorder.start()
         try:
-            for inputs, targets in batches(shard, config.batch_size, seed=config.seed + record.rank):
-                if stop.is_set() or record.steps == budget or self.clock() >= deadline:
+            for inputs, targets in self._batches:
+                if (
+                    stop.is_set()
+                    or (budget is not None and record.steps >= budget)
+                    or self.clock() >= deadline
+                ):
                     break
                 started = time.monotonic()
                 loss = self.task.loss(self.model, inputs, targets)
@@ -124,9 +171,13 @@ class Trainer:
                 self._smooth(loss.item())
                 if self.metrics is not None:
                     self._observe(self.metrics)
+                if checkpoints and record.steps % config.checkpoint_every == 0:
+                    self.checkpoint()
         finally:
             self.optimizer.close()
             self.peer.leave(after_round=self.optimizer.averager.round - 1)
+            if checkpoints:
+                self.checkpoint()
             final = self.recorder.stop()
             record.timeline = self.recorder.timeline
             record.final = {"loss": final.loss, "accuracy": final.accuracy}

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from tasks.base import Evaluation, Shard, Task, batches, parse_dirichlet, partition_indices
+from tasks.base import Batches, Evaluation, Shard, Task, parse_dirichlet, partition_indices
 from tasks.charlm import CharLMTask
 from tasks.digits import DigitsTask
 
@@ -49,11 +49,11 @@ def load_task(name: str) -> Task:
 
 __all__ = [
     "TASKS",
+    "Batches",
     "Evaluation",
     "Shard",
     "Task",
     "TaskError",
-    "batches",
     "load_task",
     "parse_dirichlet",
     "partition_indices",

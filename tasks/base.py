@@ -58,17 +58,45 @@ class Task(Protocol):
         ...
 
 
-def batches(shard: Shard, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless minibatches, reshuffled every pass over the shard."""
-    if len(shard) == 0:
-        raise ValueError("this node's shard has no examples; use fewer nodes or a larger ALPHA")
-    generator = torch.Generator().manual_seed(seed)
-    size = min(batch_size, len(shard))
-    while True:
-        order = torch.randperm(len(shard), generator=generator)
-        for start in range(0, len(order) - size + 1, size):
-            index = order[start : start + size]
-            yield shard.inputs[index], shard.targets[index]
+class Batches:
+    """Endless minibatches, reshuffled every pass over the shard, that can resume where they were:
+    :meth:`position` is the generator state at the start of the current pass and the examples
+    used in it, and ``Batches(..., resume=position)`` goes on from there."""
+
+    def __init__(
+        self, shard: Shard, batch_size: int, seed: int, resume: tuple[torch.Tensor, int] | None = None
+    ) -> None:
+        if len(shard) == 0:
+            raise ValueError("this node's shard has no examples; use fewer nodes or a larger ALPHA")
+        self._shard = shard
+        self._size = min(batch_size, len(shard))
+        self._generator = torch.Generator().manual_seed(seed)
+        self._pass_start = self._generator.get_state()
+        self._order = torch.randperm(len(shard), generator=self._generator)
+        self._used = 0
+        if resume is not None:
+            state, used = resume
+            self._generator.set_state(state)
+            self._new_pass()
+            self._used = used
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._used + self._size > len(self._order):
+            self._new_pass()
+        index = self._order[self._used : self._used + self._size]
+        self._used += self._size
+        return self._shard.inputs[index], self._shard.targets[index]
+
+    def position(self) -> tuple[torch.Tensor, int]:
+        return self._pass_start.clone(), self._used
+
+    def _new_pass(self) -> None:
+        self._pass_start = self._generator.get_state()
+        self._order = torch.randperm(len(self._shard), generator=self._generator)
+        self._used = 0
 
 
 def partition_indices(labels: np.ndarray, num_shards: int, partition: str, seed: int) -> list[np.ndarray]:

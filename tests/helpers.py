@@ -7,11 +7,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import zmq
 
 from gossip import Algorithm, PeerNetwork, parse_codec
-from p2p import Peer
+from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology
 
@@ -98,8 +100,6 @@ def idle_peer(node_id: str, listen: str, bootstrap: list[str]) -> None:
 
 def echo_peer(node_id: str, listen: str) -> None:
     """Answers every tensor with the same tensor doubled (run in a child process)."""
-    from p2p import Transport
-
     transport = Transport(node_id, listen, inbox_kinds={"params"})
     transport.start()
     while True:
@@ -107,6 +107,30 @@ def echo_peer(node_id: str, listen: str) -> None:
         if message is not None:
             reply_to = str(message.meta["reply_to"])
             transport.send(reply_to, "params", message.round, [message.tensors[0] * 2])
+
+
+@contextmanager
+def raw_dealer(routing_id: bytes, address: str) -> Iterator[zmq.Socket[bytes]]:
+    """A bare ZeroMQ DEALER connected to ``address``: sends whatever a test wants, no codec."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, routing_id)
+    dealer.connect(address)
+    try:
+        yield dealer
+    finally:
+        dealer.close(0)
+        context.term()
+
+
+@contextmanager
+def started_transport(node_id: str, **options: Any) -> Iterator[Transport]:
+    transport = Transport(node_id, "tcp://127.0.0.1:0", **options)
+    transport.start()
+    try:
+        yield transport
+    finally:
+        transport.close()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:

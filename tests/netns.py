@@ -1,11 +1,15 @@
 """Real test hosts: Linux network namespaces on a bridged LAN (needs root and iproute2).
 
-Each host is a namespace with one interface on a shared bridge (in a 'switch' namespace), so
-hosts see each other's broadcasts; a host's link can be taken down to partition it.
+Each host is a namespace with one interface on a switch (a 'switch' namespace with two bridges
+joined by a trunk link), so hosts see each other's broadcasts. The first half of the hosts sits
+on one bridge and the rest on the other: taking the trunk down (:func:`partition`) splits the
+LAN into two halves, bringing it up heals it. :func:`cap_bandwidth` limits a host's link with
+``tc ... tbf``; :func:`enter` moves the calling process into a host (for forked daemons).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.77.0"
+_CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,24 @@ def unavailable() -> str | None:
 def lan(count: int, hosts_file: str = "") -> Iterator[list[Host]]:
     """``count`` hosts on one bridged segment, removed afterwards. ``hosts_file`` becomes each
     host's /etc/hosts (``ip netns exec`` mounts /etc/netns/NAME/ over /etc/): a stand-in DNS."""
-    tag = f"gm{os.getpid() % 100000}"
-    switch = f"{tag}sw"
+    switch = _switch()
+    tag = switch.removesuffix("sw")
     hosts = [Host(f"{tag}h{i}", f"{SUBNET}.{i + 1}", f"{tag}p{i}") for i in range(count)]
     try:
         _ip("netns", "add", switch)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
+        for bridge in ("br0", "br1"):
+            _ip("-n", switch, "link", "add", bridge, "type", "bridge")
+            _ip("-n", switch, "link", "set", bridge, "up")
+        _ip("-n", switch, "link", "add", "trunk0", "type", "veth", "peer", "name", "trunk1")
+        for end in ("0", "1"):
+            _ip("-n", switch, "link", "set", f"trunk{end}", "master", f"br{end}", "up")
         for i, host in enumerate(hosts):
             _ip("netns", "add", host.namespace)
             _ip("link", "add", f"{tag}e{i}", "type", "veth", "peer", "name", host.switch_port)
             _ip("link", "set", f"{tag}e{i}", "netns", host.namespace, "name", "eth0")
             _ip("link", "set", host.switch_port, "netns", switch)
-            _ip("-n", switch, "link", "set", host.switch_port, "master", "br0", "up")
+            bridge = "br0" if i < (count + 1) // 2 else "br1"
+            _ip("-n", switch, "link", "set", host.switch_port, "master", bridge, "up")
             _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "brd", "+", "dev", "eth0")
             _ip("-n", host.namespace, "link", "set", "eth0", "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
@@ -70,6 +80,35 @@ def lan(count: int, hosts_file: str = "") -> Iterator[list[Host]]:
         for namespace in [switch, *(h.namespace for h in hosts)]:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+
+
+def partition() -> None:
+    """Split the LAN into its two halves (the trunk between the bridges goes down)."""
+    _ip("-n", _switch(), "link", "set", "trunk0", "down")
+
+
+def heal() -> None:
+    _ip("-n", _switch(), "link", "set", "trunk0", "up")
+
+
+def cap_bandwidth(host: Host, rate: str) -> None:
+    """Limit what ``host`` sends to ``rate`` (e.g. ``20mbit``) with a token bucket filter."""
+    _ip("netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+        "rate", rate, "burst", "64kb", "latency", "200ms")  # fmt: skip
+
+
+def enter(host: Host) -> None:
+    """Move the calling process (a freshly forked daemon) into ``host``'s network namespace."""
+    fd = os.open(f"/var/run/netns/{host.namespace}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {host.namespace}")
+    finally:
+        os.close(fd)
+
+
+def _switch() -> str:
+    return f"gm{os.getpid() % 100000}sw"
 
 
 def _ip(*args: str) -> None:

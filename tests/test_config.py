@@ -11,8 +11,10 @@ from node import build_parser
 from runtime.config import ConfigError, MeshConfig, NodeConfig, as_flags, load, parse_args_into
 
 
-def _node(argv: list[str], env: dict[str, str] | None = None) -> NodeConfig:
-    return parse_args_into(NodeConfig, build_parser().parse_args(["node", *argv]), env or {})
+def _node(
+    argv: list[str], env: dict[str, str] | None = None, security: tuple[str, ...] = ("--insecure",)
+) -> NodeConfig:
+    return parse_args_into(NodeConfig, build_parser().parse_args(["node", *security, *argv]), env or {})
 
 
 def test_defaults() -> None:
@@ -108,3 +110,32 @@ def test_mesh_forwards_training_options_that_nodes_read_back() -> None:
     mesh = MeshConfig(topology="complete", lr=0.1, steps=50, compute_ms=20)
     node = _node(as_flags(mesh))
     assert (node.topology, node.lr, node.steps, node.compute_ms) == ("complete", 0.1, 50, 20.0)
+
+
+def test_a_node_runs_without_curve_only_when_told_so(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"needs --keys DIR and --trusted DIR .* or --insecure"):
+        _node([], security=())
+    with pytest.raises(ConfigError, match="--insecure: give --insecure or --keys/--trusted, not both"):
+        _node(["--keys", "k"])
+    secure = _node(["--keys", "k", "--trusted", "t"], security=())
+    assert (secure.insecure, secure.keys, secure.trusted) == (False, Path("k"), Path("t"))
+    assert _node([], {"GOSSIPMESH_INSECURE": "yes"}, security=()).insecure
+    file = tmp_path / "node.toml"
+    file.write_text("insecure = true\n")
+    assert _node(["--config", str(file)], security=()).insecure
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--robust", "median"], "--robust: unknown rule 'median'; choose one of none, clip, trimmed-mean"),
+        (["--robust", "clip:k=2"], "the only parameter is b=K"),
+        (["--robust", "clip", "--algorithm", "sgp"], "--robust: works with --algorithm dpsgd, not sgp"),
+        (["--byzantine", "flip"], "--byzantine: 'flip': expected scale:FACTOR or random:STD"),
+        (["--checkpoint-every", "0"], "--checkpoint-every: must be >= 1"),
+    ],
+)
+def test_security_and_robustness_options_are_checked(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _node(argv)
+    assert message in str(caught.value)

@@ -4,6 +4,7 @@ DNS name that resolves to every node (as a Kubernetes headless Service does)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,14 @@ import netns
 import pytest
 
 from p2p.beacon import parse_beacon
+from p2p.security import keygen
 
 NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 
 
 def test_beacons_of_other_meshes_and_garbage_are_ignored() -> None:
     good = msgpack.packb({"v": 1, "mesh": "m", "id": "a", "address": "tcp://10.0.0.1:7000"})
-    assert parse_beacon(good, "m") == ("a", "tcp://10.0.0.1:7000")
+    assert parse_beacon(good, "m") == ("a", "tcp://10.0.0.1:7000", "")
     assert parse_beacon(good, "other") is None
     assert parse_beacon(b"\xc1junk", "m") is None
     assert parse_beacon(msgpack.packb({"v": 1, "mesh": "m", "id": "bad id", "address": "x"}), "m") is None
@@ -28,12 +30,20 @@ def test_beacons_of_other_meshes_and_garbage_are_ignored() -> None:
 
 
 def run_hosts(hosts: list[netns.Host], tmp_path: Path, *flags: str) -> list[dict[str, Any]]:
-    """One daemon per host (ids host-I, port 7000, 3 expected, 60 steps); their reports."""
+    """One daemon per host (ids host-I, port 7000, 3 expected, 60 steps, CURVE keys); their
+    reports."""
     processes = []
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    for i in range(len(hosts)):
+        public, _ = keygen(tmp_path / f"host-{i}", f"host-{i}")
+        shutil.copy(public, trusted)
     for i, host in enumerate(hosts):
         argv = [
             sys.executable, NODE_PY, "node",
             "--id", f"host-{i}",
+            "--keys", str(tmp_path / f"host-{i}"),
+            "--trusted", str(trusted),
             "--listen", f"tcp://{host.address}:7000",
             "--expect", str(len(hosts)),
             "--steps", "60",

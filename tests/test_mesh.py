@@ -62,7 +62,7 @@ def test_node_stops_gracefully_on_sigterm_and_writes_its_report(tmp_path: Path) 
     report = tmp_path / "node.json"
     process = subprocess.Popen(
         [sys.executable, NODE_PY, "node", "--listen", "tcp://127.0.0.1:0", "--duration", "120",
-         "--compute-ms", "5", "--report", str(report), "--progress", "json"],
+         "--compute-ms", "5", "--report", str(report), "--progress", "json", "--insecure"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,6 +75,7 @@ def test_node_stops_gracefully_on_sigterm_and_writes_its_report(tmp_path: Path) 
     started = time.monotonic()
     assert process.wait(timeout=15) == 0, process.stderr.read() if process.stderr else ""
     assert time.monotonic() - started < 10
+    assert process.stderr is not None and "RUNNING WITHOUT CURVE (--insecure)" in process.stderr.read()
     written = json.loads(report.read_text())
     (node,) = written["nodes"]
     assert node["status"] == "finished" and node["steps"] > 5 and node["rank"] == 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks import batches, load_task, partition_indices
+from tasks import Batches, load_task, partition_indices
 from tasks.digits import stratified_split
 
 
@@ -48,7 +48,7 @@ def test_dirichlet_partition_skews_labels() -> None:
 def test_batches_cycle_through_the_shard() -> None:
     task = load_task("digits")
     shard = task.shard(0, 4, partition="iid", seed=0)
-    stream = batches(shard, 32, seed=0)
+    stream = Batches(shard, 32, seed=0)
     seen = [next(stream)[1] for _ in range(len(shard) // 32)]
     assert all(len(targets) == 32 for targets in seen)
 
@@ -56,3 +56,13 @@ def test_batches_cycle_through_the_shard() -> None:
 def test_unknown_task() -> None:
     with pytest.raises(ValueError, match="unknown task 'mnist'; choose one of digits"):
         load_task("mnist")
+
+
+def test_batches_resume_exactly_where_they_were() -> None:
+    shard = load_task("digits").shard(0, 4, partition="iid", seed=0)
+    stream = Batches(shard, 32, seed=3)
+    for _ in range(17):  # into the second pass over the shard
+        next(stream)
+    resumed = Batches(shard, 32, seed=3, resume=stream.position())
+    for _ in range(20):
+        assert torch.equal(next(stream)[1], next(resumed)[1])

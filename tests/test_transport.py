@@ -12,7 +12,16 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from helpers import addresses, average_in_threads, echo_peer, idle_peer, started_peers, wait_until
+from helpers import (
+    addresses,
+    average_in_threads,
+    echo_peer,
+    idle_peer,
+    raw_dealer,
+    started_peers,
+    started_transport,
+    wait_until,
+)
 
 from gossip import DPSGD
 from p2p import Peer, Transport, TransportError
@@ -93,13 +102,10 @@ def test_sends_to_an_unreachable_address_return_at_once_and_are_counted() -> Non
 
 
 def test_bad_messages_are_counted_per_reason_and_never_delivered() -> None:
-    receiver = Transport("rx", "tcp://127.0.0.1:0", inbox_kinds={"params"})
-    receiver.start()
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, b"intruder")
-    raw.connect(receiver.address)
-    try:
+    with (
+        started_transport("rx", inbox_kinds={"params"}) as receiver,
+        raw_dealer(b"intruder", receiver.address) as raw,
+    ):
         raw.send_multipart([b"\xc1garbage"])
         raw.send_multipart(encode(kind="params", sender="someone-else", round=0))
         raw.send_multipart(encode(kind="nonsense", sender="intruder", round=0, seq=5))
@@ -115,13 +121,10 @@ def test_bad_messages_are_counted_per_reason_and_never_delivered() -> None:
             "replayed": 1,
             "header_schema": 1,
         }
+        assert set(receiver.stats.rejected_by_peer) == {"intruder"}
         delivered = receiver.recv(1.0)
         assert delivered is not None and delivered.seq == 7 and delivered.round == 0
         assert receiver.recv(0.2) is None
-    finally:
-        raw.close(0)
-        context.term()
-        receiver.close()
 
 
 def test_port_in_use_is_a_clear_error() -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wire_fuzz import hostile_messages
 
 from p2p.wire import MAX_HEADER_BYTES, PROTOCOL_VERSION, WIRE_DTYPES, Limits, WireError, decode, encode
 
@@ -129,3 +130,12 @@ _INTS = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
 def test_garbage_headers_raise_wire_error(header: dict[str, object], payload: list[bytes]) -> None:
     with contextlib.suppress(WireError):
         decode([msgpack.packb(header), *payload])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(0, 2**32))
+def test_mutated_messages_raise_wire_error_or_decode(seed: int) -> None:
+    frames = next(hostile_messages(seed, "fuzzer"))
+    with contextlib.suppress(WireError):
+        message = decode(frames, Limits(max_message_bytes=1 << 20))
+        assert all(t.nbytes <= 1 << 20 for t in message.tensors)

@@ -1,0 +1,82 @@
+"""A Byzantine node, for tests and benchmarks of robust mixing: it trains like any other node,
+but every model it sends to a neighbour is corrupted (``--byzantine scale:FACTOR`` sends
+FACTOR times its model, ``--byzantine random:STD`` Gaussian noise of that deviation). It stays
+within the wire format and the finiteness checks, so only the mixing rule can stop it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gossip.network import Envelope, PeerNetwork
+
+MODES = ("scale", "random")
+MODEL_KINDS = frozenset({"params", "push", "pair_request", "pair_reply"})  # what carries a model
+
+
+class ByzantineError(ValueError):
+    """A --byzantine mode that does not parse."""
+
+
+@dataclass(frozen=True)
+class Corruption:
+    mode: str  # scale | random
+    amount: float
+
+    def apply(self, model: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        if self.mode == "scale":
+            scaled: np.ndarray = model * model.dtype.type(self.amount)
+            return scaled
+        return rng.normal(0.0, self.amount, model.shape).astype(model.dtype)
+
+
+def parse_byzantine(text: str) -> Corruption:
+    mode, _, amount = text.partition(":")
+    try:
+        value = float(amount)
+    except ValueError:
+        value = float("nan")
+    if mode not in MODES or not np.isfinite(value):
+        raise ByzantineError(f"{text!r}: expected scale:FACTOR or random:STD, e.g. scale:-20")
+    return Corruption(mode, value)
+
+
+class ByzantinePeer:
+    """A ``PeerNetwork`` that corrupts the models sent through it and passes the rest on."""
+
+    def __init__(self, peer: PeerNetwork, corruption: Corruption, seed: int = 0) -> None:
+        self._peer = peer
+        self._corruption = corruption
+        self._rng = np.random.default_rng(seed)
+
+    @property
+    def node_id(self) -> str:
+        return self._peer.node_id
+
+    def members(self, round: int | None = None) -> frozenset[str]:
+        return self._peer.members(round)
+
+    def send(
+        self,
+        to: str,
+        kind: str,
+        round: int,
+        tensors: Sequence[np.ndarray] = (),
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        if kind in MODEL_KINDS and tensors:
+            tensors = [self._corruption.apply(tensors[0], self._rng), *tensors[1:]]
+        self._peer.send(to, kind, round, tensors, meta)
+
+    def missed(self, node_id: str) -> None:
+        self._peer.missed(node_id)
+
+    def start_at_round(self, first_round: int) -> None:
+        self._peer.start_at_round(first_round)
+
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
+        return self._peer.recv(timeout, kinds)

@@ -1,0 +1,98 @@
+"""Crash-safe checkpoints: one safetensors file per checkpoint, written atomically.
+
+A checkpoint is ``STATE_DIR/checkpoint-STEPS.safetensors``: the tensors (flat parameters,
+optimizer buffers, RNG and sampler states) in safetensors' format, and the counters as JSON in
+its metadata; nothing is pickled. It is written to a temporary file, fsynced, renamed over its
+final name and the folder fsynced, so a kill at any moment leaves either no new file or a
+complete one; :func:`load_newest` still skips a file it cannot read (a disk error, a file
+copied in by hand) and takes the next older one. The newest ``KEEP`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KEEP = 2
+_NAME = re.compile(r"checkpoint-(\d+)\.safetensors\Z")
+_META_KEY = "gossipmesh"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    tensors: Mapping[str, np.ndarray]
+    counters: Mapping[str, Any]  # JSON values: steps, round, sampler position...
+    path: Path
+
+
+def save_checkpoint(
+    folder: Path, steps: int, tensors: Mapping[str, np.ndarray], counters: Mapping[str, Any]
+) -> Path:
+    """Write the checkpoint of ``steps`` atomically; returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"checkpoint-{steps:012d}.safetensors"
+    metadata = {_META_KEY: json.dumps({"version": FORMAT_VERSION, "steps": steps, **counters})}
+    data = save({name: np.ascontiguousarray(array) for name, array in tensors.items()}, metadata=metadata)
+    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        with tmp.open("wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_folder(folder)
+    for old in [*_checkpoints(folder)[KEEP:], *folder.glob(".checkpoint-*.tmp")]:
+        old.unlink(missing_ok=True)  # older checkpoints, and temporary files of killed writers
+    return path
+
+
+def load_newest(folder: Path) -> Checkpoint | None:
+    """The newest checkpoint in ``folder`` that reads back whole, or None."""
+    for path in _checkpoints(folder):
+        try:
+            return _load(path)
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+    return None
+
+
+def _load(path: Path) -> Checkpoint:
+    with safe_open(str(path), framework="numpy") as reader:
+        metadata = reader.metadata() or {}
+        counters = json.loads(metadata[_META_KEY])
+        tensors = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118 - not a dict
+    if not isinstance(counters, dict) or counters.get("version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {counters.get('version')!r}, this node reads {FORMAT_VERSION}")
+    return Checkpoint(tensors, counters, path)
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    """Checkpoint files in ``folder``, newest (most steps) first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename durable (a crash of the machine, not only of the process)."""
+    fd = os.open(folder, os.O_RDONLY)
+    with contextlib.suppress(OSError):
+        os.fsync(fd)
+    os.close(fd)

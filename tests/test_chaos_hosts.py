@@ -1,0 +1,138 @@
+"""The chaos harness's figures: real daemons on network-namespace hosts, CURVE on, checkpoints
+on; kill -9, restart, a partition and its heal, a bandwidth cap, a fuzzer and an intruder.
+Needs root (CI has it); skipped with the reason elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import netns
+import pytest
+from host_mesh import HostMesh
+
+from gossip import consensus_distance
+
+pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
+
+
+@pytest.fixture(autouse=True)
+def hosts_available() -> None:
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+def events(report: dict[str, Any], event: str, node: str) -> list[float]:
+    return [e["t"] for e in report["membership_events"] if e["event"] == event and e["node"] == node]
+
+
+def sleep_until(mesh: HostMesh, t: float) -> None:
+    time.sleep(max(0.0, t - mesh.clock()))
+
+
+def test_eight_hosts_survive_two_kills_a_restart_from_checkpoint_and_a_fuzzer(tmp_path: Path) -> None:
+    with netns.lan(8) as hosts:
+        mesh = HostMesh(hosts, tmp_path, "--steps", "600", "--compute-ms", "20")
+        t0 = mesh.start_all()
+        fuzzer = mesh.fuzz(on_host=7, target=0, count=10_000)
+        sleep_until(mesh, t0 + 3)
+        mesh.signal(2, signal.SIGKILL)
+        mesh.signal(6, signal.SIGKILL)
+        killed = mesh.clock()
+        sleep_until(mesh, killed + 6)
+        restarted_at = mesh.clock()
+        mesh.start(6, expect=8, bootstrap=0, logs="restart")  # the same command line, after a crash
+        mesh.wait(timeout=90)
+        _, status = os.waitpid(fuzzer, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    survivors = [0, 1, 3, 4, 5, 7]
+    reports = {i: mesh.report(i) for i in [*survivors, 6]}
+    for i in survivors:
+        node = reports[i]
+        assert node["status"] == "finished" and node["steps"] == 600, node
+        assert node["final"]["accuracy"] >= 0.9, node["final"]
+        for victim in ("node-2", "node-6"):
+            assert [t for t in events(node, "dead", victim) if killed < t < restarted_at], (i, victim)
+        assert [t for t in events(node, "joined", "node-6") if t > restarted_at], i  # node-6 is back
+    restarted = reports[6]
+    assert restarted["resumed_from"] and restarted["t_joined"] > restarted_at
+    assert restarted["status"] == "finished" and restarted["final"]["accuracy"] >= 0.9
+    assert restarted["timeline"][0]["accuracy"] > 0.5  # from its checkpoint / the mesh, not scratch
+    fuzzed = reports[0]["rejected_by_peer"]
+    (fuzzer_name,) = [peer for peer in fuzzed if peer.startswith("fuzzer")]
+    assert sum(fuzzed[fuzzer_name].values()) == 10_000  # every one counted as rejected...
+    assert len(fuzzed[fuzzer_name]) >= 3 and fuzzed[fuzzer_name]["shunned"] > 9000  # ...then shunned
+    assert reports[0]["shunned_peers"] == [fuzzer_name]
+
+
+def view_complete_since(
+    report: dict[str, Any], everyone: set[str], after: float, until: float
+) -> float | None:
+    """When the node's membership view (replayed from its events) last became ``everyone`` after
+    ``after``, if it is complete at ``until``; else None."""
+    view = set(everyone)
+    complete_since: float | None = 0.0
+    for event in report["membership_events"]:
+        if event["t"] >= until:
+            break
+        if event["event"] in ("joined", "alive", "suspected"):
+            view.add(event["node"])
+        else:
+            view.discard(event["node"])
+        if view == everyone and complete_since is None:
+            complete_since = event["t"]
+        elif view != everyone:
+            complete_since = None
+    return None if complete_since is None else max(complete_since, after)
+
+
+def test_a_thirty_second_partition_into_halves_heals(tmp_path: Path) -> None:
+    with netns.lan(8) as hosts:
+        mesh = HostMesh(hosts, tmp_path, "--duration", "300", "--compute-ms", "20")
+        t0 = mesh.start_all()
+        sleep_until(mesh, t0 + 4)
+        before = consensus_distance([mesh.params(i) for i in range(8)])
+        netns.partition()
+        sleep_until(mesh, t0 + 34)
+        split = consensus_distance([mesh.params(i) for i in range(8)])
+        netns.heal()
+        healed = mesh.clock()
+        sleep_until(mesh, healed + 12)
+        after = consensus_distance([mesh.params(i) for i in range(8)])
+        stop = mesh.clock()
+        for i in range(8):
+            mesh.signal(i, signal.SIGTERM)
+        stopping = time.monotonic()
+        mesh.wait(timeout=20)
+        stopped_in = time.monotonic() - stopping
+    everyone = {f"node-{i}" for i in range(8)}
+    reports = [mesh.report(i) for i in range(8)]
+    converged = [view_complete_since(r, everyone - {r["id"]}, healed, stop) for r in reports]
+    print(
+        f"consensus distance before {before:.2e}, split {split:.2e}, after {after:.2e}; views whole "
+        f"{max(t or 0.0 for t in converged) - healed:.2f} s after the heal; stopped in {stopped_in:.2f} s"
+    )
+    assert all(t is not None and t - healed < 10 for t in converged), (healed, converged)
+    for report in reports:
+        other_half = {f"node-{j}" for j in range(8) if (j < 4) != (int(report["id"][-1]) < 4)}
+        assert {n for n in other_half if events(report, "dead", n)} == other_half  # it was split
+        assert report["status"] == "finished" and report["final"]["accuracy"] >= 0.9
+    assert split > 3 * before, (before, split)  # the halves drifted apart...
+    assert after <= before, (before, split, after)  # ...and came back together
+    assert stopped_in < 10  # SIGTERM: leave, checkpoint, close, within Docker's default grace
+
+
+def test_a_node_behind_a_slow_link_keeps_up(tmp_path: Path) -> None:
+    with netns.lan(3) as hosts:
+        netns.cap_bandwidth(hosts[1], "8mbit")  # ~13 rounds a second at most, a fifth of the rest
+        mesh = HostMesh(hosts, tmp_path, "--steps", "60", "--compute-ms", "20")
+        mesh.start_all()
+        mesh.wait(timeout=120)
+    reports = [mesh.report(i) for i in range(3)]
+    assert all(r["status"] == "finished" and r["steps"] == 60 for r in reports)
+    assert min(r["final"]["accuracy"] for r in reports) >= 0.85
+    assert reports[1]["bytes_sent"] >= 60 * 2 * 38_440  # every round's model went through the cap

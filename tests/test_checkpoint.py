@@ -1,0 +1,83 @@
+"""Checkpoints: atomic, pickle-free, readable after a kill at any moment; a node resumes from one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.context import SpawnContext
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoint_writer import SIZE, write_forever
+from helpers import wait_until
+from safetensors.numpy import load_file
+
+from node import main
+from runtime.checkpoint import KEEP, load_newest, save_checkpoint
+
+
+def test_round_trip_keeps_the_newest_and_skips_a_damaged_one(tmp_path: Path) -> None:
+    for steps in (10, 20, 30):
+        save_checkpoint(tmp_path, steps, {"params": np.full(5, steps, np.float32)}, {"round": steps + 1})
+    assert (
+        sorted(p.name for p in tmp_path.iterdir())
+        == [
+            "checkpoint-000000000020.safetensors",
+            "checkpoint-000000000030.safetensors",
+        ][-KEEP:]
+    )
+    newest = load_newest(tmp_path)
+    assert newest is not None and newest.counters["steps"] == 30 and newest.counters["round"] == 31
+    np.testing.assert_array_equal(newest.tensors["params"], np.full(5, 30, np.float32))
+    newest.path.write_bytes(newest.path.read_bytes()[:40])  # a damaged file is passed over
+    older = load_newest(tmp_path)
+    assert older is not None and older.counters["steps"] == 20
+    assert load_newest(tmp_path / "nothing-here") is None
+
+
+def test_a_kill_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path: Path, spawn: SpawnContext) -> None:
+    rng = random.Random(7)
+    for _ in range(12):
+        child = spawn.Process(target=write_forever, args=(str(tmp_path),))
+        child.start()
+        assert wait_until(_writes_from(_newest_path(tmp_path), tmp_path), 20)  # it writes...
+        time.sleep(rng.random() * 0.3)  # ...and is killed at some moment of it
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        checkpoint = load_newest(tmp_path)
+        assert checkpoint is not None
+        steps = checkpoint.counters["steps"]
+        np.testing.assert_array_equal(checkpoint.tensors["params"], np.full(SIZE, steps, np.float32))
+        for path in tmp_path.iterdir():  # every file there is a whole checkpoint or a leftover temp
+            assert path.name.startswith(".") or load_file(path)["params"].size == SIZE
+
+
+@pytest.mark.mesh
+def test_a_node_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    common = ["node", "--insecure", "--listen", "tcp://127.0.0.1:0", "--state-dir", str(state),
+              "--checkpoint-every", "25", "--progress", "none"]  # fmt: skip
+    assert main([*common, "--steps", "60", "--report", str(tmp_path / "first.json")]) == 0
+    first = load_newest(state)
+    assert first is not None and first.counters["steps"] == 60  # written on the way out
+    assert {"params", "optimizer.momentum_buffer", "rng.torch", "sampler.pass_start"} <= set(first.tensors)
+    assert main([*common, "--steps", "100", "--report", str(tmp_path / "second.json")]) == 0
+    (node,) = json.loads((tmp_path / "second.json").read_text())["nodes"]
+    assert node["resumed_from"] == str(first.path)
+    assert node["steps"] == 100 and node["final"]["accuracy"] > 0.85
+    assert node["timeline"][0]["accuracy"] > 0.8  # it went on from the trained model, not from scratch
+
+
+def _newest_path(folder: Path) -> Path | None:
+    checkpoint = load_newest(folder)
+    return checkpoint.path if checkpoint else None
+
+
+def _writes_from(before: Path | None, folder: Path) -> Callable[[], bool]:
+    return lambda: _newest_path(folder) != before
