@@ -4,7 +4,10 @@
 #   docker build --target cuda -t gossipmesh:cuda .     CUDA image (torch's CUDA wheels + cupy)
 # Configure it with GOSSIPMESH_<OPTION> variables (see `gossipmesh node --help`), a TOML file
 # mounted at /etc/gossipmesh/node.toml with GOSSIPMESH_CONFIG=/etc/gossipmesh/node.toml, and a
-# key folder mounted at /etc/gossipmesh/keys. Flags after the image name go to `gossipmesh node`.
+# key folder mounted at /etc/gossipmesh/keys: the node's CURVE pair (NODE_ID.key_secret, or the
+# only *.key_secret there) and the public *.key of every node it admits; one pair for the whole
+# mesh (`gossipmesh keygen keys --name mesh`) is the simplest. Flags after the image name go to
+# `gossipmesh node`.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 ARG TORCH_VERSION=2.13.0
@@ -24,6 +27,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     GOSSIPMESH_LISTEN=tcp://0.0.0.0:7000 \
     GOSSIPMESH_METRICS_PORT=9100 \
+    GOSSIPMESH_KEYS=/etc/gossipmesh/keys \
+    GOSSIPMESH_TRUSTED=/etc/gossipmesh/keys \
     GOSSIPMESH_REPORT=/var/lib/gossipmesh/report.json
 RUN useradd --system --uid 10001 --home-dir /var/lib/gossipmesh --create-home gossipmesh \
     && mkdir -p /etc/gossipmesh/keys && chown -R gossipmesh /etc/gossipmesh/keys

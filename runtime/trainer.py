@@ -84,6 +84,8 @@ class Trainer:
         self.metrics = metrics
         if metrics is not None:
             metrics.training = self
+        self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
+        self._batches: Batches | None = None
 
     @property
     def steps(self) -> int:
@@ -94,8 +96,6 @@ class Trainer:
         """Held-out (loss, accuracy) at the last timeline point."""
         timeline = self.recorder.timeline
         return (timeline[-1].loss, timeline[-1].accuracy) if timeline else None
-        self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
-        self._batches: Batches | None = None
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from a checkpoint of this node: model, optimizer, counters, RNG, data order."""

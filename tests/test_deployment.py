@@ -66,7 +66,7 @@ def test_compose_mesh_discovers_itself_through_the_service_name() -> None:
     mounts = {volume.split(":")[1] for volume in node["volumes"]}
     assert mounts == {"/etc/gossipmesh/node.toml", "/etc/gossipmesh/keys"}
     assert (DEPLOY / "node.toml").exists() and (DEPLOY / "keys").is_dir()
-    assert load(NodeConfig, {}, {}, DEPLOY / "node.toml").duration == 3600
+    assert load(NodeConfig, {}, dockerfile()["env"], DEPLOY / "node.toml").duration == 3600  # in the image
     cuda = yaml.safe_load((DEPLOY / "compose.cuda.yaml").read_text())["services"]["node"]
     assert cuda["build"]["target"] == "cuda"
     assert cuda["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -116,6 +116,9 @@ def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(tmp_path: 
     entrypoint = [str(site / "bin" / image["entrypoint"][0]), *image["entrypoint"][1:]]
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     base_env["PYTHONPATH"] = str(site)  # the wheel's code, not this checkout's
+    keys = tmp_path / "keys"  # what the image expects mounted at GOSSIPMESH_KEYS: one pair for the mesh
+    subprocess.run([str(site / "bin" / "gossipmesh"), "keygen", str(keys), "--name", "mesh"], env=base_env,
+                   check=True, capture_output=True)  # fmt: skip
     gossip_port = consecutive_free_ports(4)
     metrics_port = gossip_port + 2
     nodes = []
@@ -132,6 +135,8 @@ def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(tmp_path: 
             "GOSSIPMESH_TASK": "sine_regression:make_task",  # a user's task, from the working folder
             "GOSSIPMESH_PARTITION": "dirichlet:0.3",
             "GOSSIPMESH_LOG_FORMAT": "json",
+            "GOSSIPMESH_KEYS": str(keys),
+            "GOSSIPMESH_TRUSTED": str(keys),
             **({"GOSSIPMESH_BOOTSTRAP": f"tcp://127.0.0.1:{gossip_port}"} if rank else {}),
         }
         process = subprocess.Popen(

@@ -18,6 +18,7 @@ from helpers import addresses
 from gossip import GossipOptimizer, consensus_distance
 from gossip.phases import PHASES
 from p2p.memory import MemoryNetwork
+from p2p.security import keygen
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sine_regression.py"
 
@@ -43,9 +44,12 @@ def test_wrapper_trains_a_user_defined_model_in_a_multiprocess_mesh(
     # time importing torch than training
     fork = multiprocessing.get_context("fork")
     listen = addresses(3)
+    keys = tmp_path / "keys"
+    keygen(keys, "mesh")  # one CURVE pair for the mesh: each node's own key and the trusted one
     processes = []
     for rank, address in enumerate(listen):
         argv = ["--listen", address, "--expect", "3", "--steps", "150", "--threads", "1",
+                "--keys", str(keys), "--trusted", str(keys),
                 "--save-params", str(tmp_path / f"{rank}.npy"),
                 *(["--bootstrap", listen[0]] if rank else [])]  # fmt: skip
         processes.append(fork.Process(target=_run_example, args=(argv, tmp_path / f"{rank}.json")))
