@@ -271,7 +271,7 @@ def test_compressed_and_local_steps_meshes_reach_the_target(
 ) -> None:
     report_path = tmp_path / "report.json"
     result = subprocess.run(
-        [sys.executable, NODE_PY, "mesh", "--report", str(report_path), *flags],
+        [sys.executable, NODE_PY, "mesh", "--report", str(report_path), "--insecure", *flags],
         capture_output=True,
         text=True,
         timeout=240,

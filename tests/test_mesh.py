@@ -120,6 +120,7 @@ def test_mesh_runs_on_every_topology(name: str, tmp_path: Path, no_other_threads
         str(tmp_path),
         "--plot",
         "none",  # drawn in test_observability; 15 meshes here
+        "--insecure",  # CURVE is the default mesh's and test_security's subject, not the graph's
     ]
     assert main(argv) == 0, (tmp_path / "node-0.log").read_text()
     report = json.loads((tmp_path / "report.json").read_text())
