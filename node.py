@@ -32,7 +32,7 @@ from p2p import AddressError, Peer, TransportError
 from p2p.address import split_endpoint
 from p2p.membership import NOT_YET, PROFILES
 from p2p.wire import Limits
-from runtime import topology_view
+from runtime import simulate, topology_view
 from runtime.config import (
     ConfigError,
     MeshConfig,
@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="model size for bytes per round (default: the digits MLP)",
     )
+    simulate.add_parser(commands)
     return parser
 
 
@@ -214,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "topology":
             return _topology_command(args, parser)
+        if args.command == "simulate":
+            return simulate.run(args)
         if args.command == "node":
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)

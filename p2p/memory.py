@@ -127,7 +127,7 @@ class MemoryPeer:
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        message = Message(kind, self._node_id, round, tuple(_read_only(t) for t in tensors), meta or {})
+        message = Message(kind, self._node_id, round, tuple(read_only(t) for t in tensors), meta or {})
         if self.network.deliver(to, message):
             self.bytes_sent += sum(t.nbytes for t in tensors)
         else:
@@ -143,7 +143,8 @@ class MemoryPeer:
         self._inbox.notify()
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: what a receiver gets of a sender's tensor."""
     view = array.view()
     view.flags.writeable = False
     return view
