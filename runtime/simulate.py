@@ -81,7 +81,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.algorithm == ALLREDUCE:
         if args.task:
             raise ConfigError("--algorithm allreduce is a time model; use --model-size, not --task")
-        result = SimResult(ring_allreduce(scenario, scenario.model_bytes or DEFAULT_MODEL_BYTES), 0.0, {}, 0)
+        result = SimResult(
+            ring_allreduce(scenario, scenario.model_bytes or DEFAULT_MODEL_BYTES), 0.0, {}, 0, {}
+        )
     else:
         result = _gossip(args, scenario)
     if args.json:

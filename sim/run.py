@@ -9,6 +9,7 @@ the consensus distance of the nodes' models after that round, when the last node
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from collections import defaultdict
@@ -60,6 +61,14 @@ class SimResult:
     sim_seconds: float  # real time the simulation took
     final: dict[str, np.ndarray]  # each node's parameters at the end
     messages_lost: int
+    step_ends: dict[str, list[float]]  # when each node finished each of its steps (virtual s)
+
+    def steps_per_s(self) -> float:
+        """The mesh's steady throughput in local steps per virtual second: steps done by all
+        nodes until the first one finished its last (a fast node of an asynchronous algorithm
+        does more steps than a straggler in the same time)."""
+        until = min(ends[-1] for ends in self.step_ends.values() if ends)
+        return sum(bisect.bisect_right(ends, until) for ends in self.step_ends.values()) / until
 
     def as_json(self) -> dict[str, object]:
         return {"rounds": [p.as_json() for p in self.rounds], "sim_seconds": round(self.sim_seconds, 3)}
@@ -108,10 +117,13 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
     )
     nodes: dict[str, SimNode] = {}
     history: defaultdict[int, list[tuple[np.ndarray, int, float, float | None]]] = defaultdict(list)
+    step_ends: dict[str, list[float]] = {}
 
     def launch(index: int, first_round: int, start: np.ndarray | None) -> None:
         node_id = f"node-{index}"
         peer = network.join(node_id, first_round)
+        ends: list[float] = []
+        step_ends[node_id] = ends
 
         def main() -> None:
             node = nodes[node_id] = build(peer, index, start)
@@ -122,6 +134,7 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
                 node.step()
                 accuracy = node.accuracy() if node.accuracy else None
                 history[r].append((node.params.copy(), peer.bytes_sent, clock.now, accuracy))
+                ends.append(clock.now)
 
         clock.spawn(node_id, node_id, main)
 
@@ -152,7 +165,7 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
     points = [_point(r, history[r]) for r in sorted(history)]
     final = {node_id: node.params.copy() for node_id, node in nodes.items()}
     lost = sum(peer.messages_lost for peer in network.peers.values())
-    return SimResult(points, time.perf_counter() - started, final, lost)
+    return SimResult(points, time.perf_counter() - started, final, lost, step_ends)
 
 
 def _point(r: int, records: list[tuple[np.ndarray, int, float, float | None]]) -> RoundPoint:
