@@ -107,6 +107,7 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
     network = VirtualNetwork(
         clock,
         link=scenario.link,
+        links=scenario.links,
         loss=scenario.loss,
         partitions=scenario.partitions,
         byte_scale=(scenario.model_bytes or model_nbytes) / model_nbytes,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class Scenario:
     nodes: the nodes at the start (``node-0`` ... ``node-{nodes-1}``).
     rounds: local steps per node (one gossip round each for the synchronous algorithms).
     compute: step times.
-    link: every link's latency and bandwidth.
+    link: every link's latency and bandwidth, unless ``links`` names the (sender, receiver) pair.
     loss: the probability that a message is lost.
     model_bytes: the size a model has on the wire; None: the averaged vectors' own size.
     crashes, joins, partitions: faults; ``joins`` are the times new nodes arrive (each takes
@@ -86,6 +86,7 @@ class Scenario:
     rounds: int
     compute: Compute = Compute()
     link: Link = Link()
+    links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
     loss: float = 0.0
     model_bytes: int | None = None
     crashes: Sequence[Crash] = ()

@@ -46,13 +46,14 @@ def test_synchronous_averaging_matches_a_real_zeromq_mesh(algorithm: str, topolo
     assert consensus_distance(real) < 0.5 * consensus_distance(list(vectors))  # it did average
 
 
-def test_a_simulation_is_a_function_of_its_seed() -> None:
+def test_a_simulation_is_a_function_of_its_seed_and_a_slow_link_slows_it() -> None:
     def points(seed: int) -> list[tuple[float, float, float]]:
         scenario = Scenario(
             nodes=16,
             rounds=8,
             compute=Compute(0.1, jitter=0.3, stragglers=Stragglers(0.25, 4)),
             link=Link(0.002, 1e8),
+            links={("node-3", "node-4"): Link(0.05, 1e7)},  # one slow link
             loss=0.05,
             model_bytes=10_000_000,
             seed=seed,
@@ -62,6 +63,12 @@ def test_a_simulation_is_a_function_of_its_seed() -> None:
 
     assert points(1) == points(1)
     assert points(1) != points(2)
+    lockstep = Scenario(nodes=4, rounds=3, compute=Compute(0.1), links={("node-0", "node-1"): Link(0.05)})
+    ends = [p.virtual_time_s for p in run(lockstep, "dpsgd", "ring").rounds]
+    # node-1 waits for node-0's value 50 ms after node-0 sent it; node-0 only for node-1's:
+    # round 0 ends at 0.1 + 0.05, round 1 when node-1's step sent at 0.15 + 0.1 arrives, round 2
+    # when node-0's value sent at 0.25 + 0.1 reaches node-1
+    assert ends == pytest.approx([0.15, 0.25, 0.40])
 
 
 def test_one_peer_exponential_reaches_the_exact_average_in_log2_n_rounds_at_1024_nodes() -> None:
