@@ -29,7 +29,7 @@ import torch
 from p2p import AddressError, Peer, TransportError
 from p2p.membership import NOT_YET
 from p2p.security import SecurityError, insecure_warning, keygen
-from runtime import logs, report_view, topology_view
+from runtime import logs, report_view, simulate, topology_view
 from runtime.checkpoint import load_newest
 from runtime.config import (
     ConfigError,
@@ -240,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="model size for bytes per round (default: the digits MLP)",
     )
+    simulate.add_parser(commands)
     return parser
 
 
@@ -255,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             public, secret = keygen(args.dir, args.name)
             print(f"public key {public}  (copy it into every trusted folder)\nsecret key {secret}")
             return 0
+        if args.command == "simulate":
+            return simulate.run(args)
         if args.command == "node":
             config = parse_args_into(NodeConfig, args, os.environ)
             return _node_command(config)

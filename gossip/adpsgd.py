@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from contextlib import AbstractContextManager
 from typing import ClassVar
 
@@ -84,7 +83,7 @@ class ADPSGD(Averager):
             if partner is not None:
                 self._time_round()
                 self._exchange(partner)
-            self._answer_until(time.monotonic() + (self.interval_s if partner else 0.05))
+            self._answer_until(self.peer.now() + (self.interval_s if partner else 0.05))
 
     def _exchange(self, partner: str) -> None:
         """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
@@ -92,8 +91,8 @@ class ADPSGD(Averager):
         with self.lock:
             mine = self.params.copy()
         self.peer.send(partner, REQUEST, self.round, [mine], {"exchange": exchange})
-        deadline = time.monotonic() + self.wait_limit()
-        while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+        deadline = self.peer.now() + self.wait_limit()
+        while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, self.kinds)
             if message is None:
                 if partner not in self.peer.members():
@@ -111,7 +110,7 @@ class ADPSGD(Averager):
             self.peer.missed(partner)
 
     def _answer_until(self, deadline: float) -> None:
-        while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+        while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, (REQUEST,))
             if message is not None:
                 self._answer(message)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -126,7 +125,7 @@ class Averager:
         return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
 
     def _time_round(self) -> None:
-        now = time.monotonic()
+        now = self.peer.now()
         if self._last_start is not None:
             self._round_times.append(now - self._last_start)
         self._last_start = now

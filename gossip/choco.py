@@ -28,7 +28,6 @@ Every holder must receive every q of its sender, so CHOCO runs on static undirec
 from __future__ import annotations
 
 import math
-import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -66,7 +65,7 @@ class _Replica:
     value: np.ndarray | None = None  # None until the sender's full copy arrives
     next_round: int = 0  # the round of the next q to add (the value is that of the round before)
     pending: dict[int, np.ndarray] = field(default_factory=dict)  # q's not added yet
-    asked_at: float = -math.inf  # when the full copy was last requested (monotonic s)
+    asked_at: float = -math.inf  # when the full copy was last requested (peer.now() s)
 
     def catch_up(self, upto: int) -> None:
         """Add the pending q's of rounds up to ``upto`` that follow on without a gap."""
@@ -131,9 +130,9 @@ class CHOCO(Averager):
         row = self._row(r)
         for target in row.send_to:
             self.peer.send(target, KIND, r, encoded.frames, encoded.meta)
-        started = time.monotonic()
+        started = self.peer.now()
         expected = self._gather(r, row)
-        wait_s = time.monotonic() - started
+        wait_s = self.peer.now() - started
         with self.lock:
             mixed = self._mix(r, row)
         self.round += 1
@@ -162,14 +161,14 @@ class CHOCO(Averager):
             if replica.value is None:
                 self._ask_full_copy(j, replica)
         expected = set(row.receive_from) - self._silent
-        deadline = time.monotonic() + self.wait_limit()
+        deadline = self.peer.now() + self.wait_limit()
         while True:
             waiting = {j for j in expected & members if self._replicas[j].next_round <= r}
-            timeout = max(0.0, deadline - time.monotonic()) if waiting else 0.0
+            timeout = max(0.0, deadline - self.peer.now()) if waiting else 0.0
             message = self.peer.recv(timeout, self.kinds)
             if message is not None:
                 self._take(message)
-            elif not waiting or time.monotonic() >= deadline:
+            elif not waiting or self.peer.now() >= deadline:
                 break
         self._went_silent(waiting)
         return expected
@@ -208,7 +207,7 @@ class CHOCO(Averager):
 
     def _ask_full_copy(self, node: str, replica: _Replica) -> None:
         """Request ``node``'s public copy, at most once per round timeout."""
-        now = time.monotonic()
+        now = self.peer.now()
         if now - replica.asked_at >= self.round_timeout:
             replica.asked_at = now
             self.peer.send(node, FULL_REQUEST, self.round)

@@ -19,7 +19,6 @@ round is not waited for again until it is heard from (``Averager._went_silent``)
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from contextlib import AbstractContextManager
 from typing import ClassVar
@@ -83,9 +82,9 @@ class DPSGD(Averager):
         snapshot = self.params.copy()  # what we send must not change while it is in flight
         for target in row.send_to:
             self.peer.send(target, KIND, r, [snapshot])
-        started = time.monotonic()
+        started = self.peer.now()
         values = self._gather(r, row)
-        wait_s = time.monotonic() - started
+        wait_s = self.peer.now() - started
         with self.lock:
             self._mix(snapshot, row, values)
         self.round += 1
@@ -97,10 +96,10 @@ class DPSGD(Averager):
         neighbours = set(row.receive_from)
         enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
         waiting = neighbours - got.keys() - self._silent
-        deadline = time.monotonic() + self.wait_limit()
+        deadline = self.peer.now() + self.wait_limit()
         timed_out = False
         while waiting and len(neighbours & got.keys()) < enough:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.peer.now()
             if remaining <= 0:
                 timed_out = True
                 break

@@ -33,6 +33,11 @@ class PeerNetwork(Protocol):
     @property
     def node_id(self) -> str: ...
 
+    def now(self) -> float:
+        """Seconds on the mesh's clock, which every wait and round time is measured on:
+        ``time.monotonic()`` in a real mesh, virtual time in a simulator."""
+        ...
+
     def members(self, round: int | None = None) -> frozenset[str]:
         """Member ids, this node included: now, or in gossip ``round`` (a node that left after
         round R is still a member of rounds up to R, so views agree on each round's graph)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -84,7 +83,7 @@ class GossipOptimizer:
         self.average_every = average_every
         self.local_steps = 0
         self.last_round: RoundStats | None = None
-        self.phases = PhaseTimer()
+        self.phases = PhaseTimer(peer.now)
         self.consensus_estimate: float | None = None
         self._before_mixing: np.ndarray | None = None
         self._lock = lock if lock is not None else contextlib.nullcontext()
@@ -113,7 +112,7 @@ class GossipOptimizer:
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if self._started is None:
-            self._started = time.monotonic()
+            self._started = self.peer.now()
         with self._lock:
             self._estimate_consensus()
             loss = self.optimizer.step(closure)
@@ -147,7 +146,7 @@ class GossipOptimizer:
         """This node's gossip rate so far (0 before its first round)."""
         if self._started is None:
             return 0.0
-        return (self.averager.round - self._rounds_at_start) / max(time.monotonic() - self._started, 1e-6)
+        return (self.averager.round - self._rounds_at_start) / max(self.peer.now() - self._started, 1e-6)
 
     # -- joining a running mesh ---------------------------------------------------------------
 

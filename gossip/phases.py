@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +30,8 @@ PHASES = ("compute", "encode", "send", "wait", "decode", "mix")
 class PhaseTimer:
     """Per-round phase durations (``last``, seconds) and their running totals (``totals``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # the network's clock: virtual time in a simulation
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.last: dict[str, float] = {}
         self._current = dict.fromkeys(PHASES, 0.0)
@@ -42,7 +43,7 @@ class PhaseTimer:
     @contextmanager
     def round(self) -> Iterator[None]:
         """Time one round (the gossip part of a step); compute is the time since the last one."""
-        now = time.monotonic()
+        now = self._clock()
         self._current = dict.fromkeys(PHASES, 0.0)
         if self._last_end is not None:
             self._current["compute"] = now - self._last_end
@@ -51,7 +52,7 @@ class PhaseTimer:
             yield
         finally:
             self.enter(self._phase)
-            self._thread, self._last_end = None, time.monotonic()
+            self._thread, self._last_end = None, self._clock()
             self.last = self._current
             for phase, seconds in self._current.items():
                 self.totals[phase] += seconds
@@ -62,7 +63,7 @@ class PhaseTimer:
 
     def enter(self, phase: str) -> None:
         """Close the running phase and start ``phase`` now."""
-        now = time.monotonic()
+        now = self._clock()
         self._current[self._phase] += now - self._since
         self._phase, self._since = phase, now
 
@@ -104,6 +105,9 @@ class TimedPeer:
 
     def missed(self, node_id: str) -> None:
         self._peer.missed(node_id)
+
+    def now(self) -> float:
+        return self._peer.now()
 
     def start_at_round(self, first_round: int) -> None:
         self._peer.start_at_round(first_round)

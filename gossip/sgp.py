@@ -23,7 +23,6 @@ while mass is conserved, and a node that keeps losing mass drives its weight tow
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractContextManager
 from typing import ClassVar
 
@@ -84,10 +83,10 @@ class SGP(Averager):
             self.peer.send(target, KIND, r, [pushed, weight])
         self._numerator *= share
         self.weight *= share
-        started = time.monotonic()
+        started = self.peer.now()
         expected = self._expected(r - self.overlap)
         self._take_shares(r, expected)
-        wait_s = time.monotonic() - started
+        wait_s = self.peer.now() - started
         with self.lock:
             np.divide(self._numerator, self.weight, out=self.params)
             np.copyto(self._model, self.params)
@@ -118,13 +117,13 @@ class SGP(Averager):
         for held in [m for m in self._later if m.round <= r]:
             self._later.remove(held)
             self._mix_in(held, r)
-        deadline = time.monotonic() + self.wait_limit()
+        deadline = self.peer.now() + self.wait_limit()
         while True:
             missing = {(s, q) for s, q in expected - self._arrived if s in self.peer.members(q)}
-            timeout = 0.0 if not missing else max(0.0, deadline - time.monotonic())
+            timeout = 0.0 if not missing else max(0.0, deadline - self.peer.now())
             received = self.peer.recv(timeout, self.kinds)
             if received is None:
-                if not missing or time.monotonic() >= deadline:
+                if not missing or self.peer.now() >= deadline:
                     break
                 continue
             self._mix_in(received, r)

@@ -10,6 +10,7 @@ receivers read-only.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -19,41 +20,66 @@ from p2p.inbox import Inbox
 from p2p.wire import Message
 
 
+class Roster:
+    """Exact membership by gossip round: who is a member now, and in each round (a node that
+    left after round R stays a member of rounds up to R; a late joiner counts from its first
+    round on), as ``PeerNetwork.members`` defines it."""
+
+    def __init__(self) -> None:
+        self._current: frozenset[str] = frozenset()
+        self._last_rounds: dict[str, int] = {}  # departed id -> last round it took part in
+        self._first_rounds: dict[str, int] = {}  # member -> first round it takes part in
+        self._latest_first = 0  # no member starts after this round: later rounds need no filtering
+
+    def join(self, node_id: str, first_round: int = 0) -> None:
+        self._current = self._current | {node_id}
+        self.start_at_round(node_id, first_round)
+
+    def leave(self, node_id: str, after_round: int = -1) -> None:
+        self._current = self._current - {node_id}
+        self._last_rounds[node_id] = after_round
+
+    def start_at_round(self, node_id: str, first_round: int) -> None:
+        self._first_rounds[node_id] = first_round
+        self._latest_first = max(self._latest_first, first_round)
+
+    def members(self, round: int | None = None) -> frozenset[str]:
+        if round is None:
+            return self._current
+        lingering = {node for node, last in list(self._last_rounds.items()) if round <= last}
+        if not lingering and round >= self._latest_first:
+            return self._current  # the common case: no set is built
+        return frozenset(m for m in self._current | lingering if self._first_rounds.get(m, 0) <= round)
+
+
 class MemoryNetwork:
     """The shared medium: which peers are members, and their inboxes."""
 
     def __init__(self) -> None:
         self._peers: dict[str, MemoryPeer] = {}
-        self._members: frozenset[str] = frozenset()
-        self._last_rounds: dict[str, int] = {}  # departed id -> last round it took part in
-        self._first_rounds: dict[str, int] = {}  # late joiner -> first round it takes part in
+        self._roster = Roster()
         self._lock = threading.Lock()
 
     def join(self, node_id: str, first_round: int = 0) -> MemoryPeer:
         peer = MemoryPeer(self, node_id)
         with self._lock:
-            self._first_rounds[node_id] = first_round
             self._peers[node_id] = peer
-            self._members = frozenset(self._peers)
+            self._roster.join(node_id, first_round)
         self._wake_all()
         return peer
 
     def leave(self, node_id: str, after_round: int = -1) -> None:
         with self._lock:
             self._peers.pop(node_id, None)
-            self._members = frozenset(self._peers)
-            self._last_rounds[node_id] = after_round
+            self._roster.leave(node_id, after_round)
         self._wake_all()
 
     def start_at_round(self, node_id: str, first_round: int) -> None:
-        self._first_rounds[node_id] = first_round
+        self._roster.start_at_round(node_id, first_round)
         self._wake_all()
 
     def members(self, round: int | None = None) -> frozenset[str]:
-        if round is None:
-            return self._members
-        lingering = {node for node, last in list(self._last_rounds.items()) if round <= last}
-        return frozenset(m for m in self._members | lingering if self._first_rounds.get(m, 0) <= round)
+        return self._roster.members(round)
 
     def deliver(self, to: str, message: Message) -> bool:
         peer = self._peers.get(to)
@@ -81,6 +107,9 @@ class MemoryPeer:
     def node_id(self) -> str:
         return self._node_id
 
+    def now(self) -> float:
+        return time.monotonic()
+
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.network.members(round)
 
@@ -98,7 +127,7 @@ class MemoryPeer:
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        message = Message(kind, self._node_id, round, tuple(_read_only(t) for t in tensors), meta or {})
+        message = Message(kind, self._node_id, round, tuple(read_only(t) for t in tensors), meta or {})
         if self.network.deliver(to, message):
             self.bytes_sent += sum(t.nbytes for t in tensors)
         else:
@@ -114,7 +143,8 @@ class MemoryPeer:
         self._inbox.notify()
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: what a receiver gets of a sender's tensor."""
     view = array.view()
     view.flags.writeable = False
     return view

@@ -112,6 +112,9 @@ class Peer:
                 raise TransportError(self._not_ready(timeout, expect, round))
             self.membership.joined.wait(0.05)
 
+    def now(self) -> float:
+        return time.monotonic()
+
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.membership.members(round)
 

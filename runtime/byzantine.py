@@ -75,6 +75,9 @@ class ByzantinePeer:
     def missed(self, node_id: str) -> None:
         self._peer.missed(node_id)
 
+    def now(self) -> float:
+        return self._peer.now()
+
     def start_at_round(self, first_round: int) -> None:
         self._peer.start_at_round(first_round)
 

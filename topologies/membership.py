@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
 
 from topologies.graphs import TopologyError
 from topologies.schedules import pairwise_partner
@@ -48,13 +50,21 @@ def member_order(members: Iterable[str]) -> list[str]:
     return sorted(members, key=lambda m: [int(p) if p.isdigit() else p for p in _DIGITS.split(m)])
 
 
+@lru_cache(maxsize=64)
+def _positions(members: frozenset[str]) -> tuple[tuple[str, ...], Mapping[str, int]]:
+    """The member order and each member's position in it, computed once per membership view
+    (every node computes its row every round; at thousands of members sorting is the cost)."""
+    ordered = tuple(member_order(members))
+    return ordered, MappingProxyType({m: i for i, m in enumerate(ordered)})
+
+
 def mixing_row(topology: Topology, members: Iterable[str], me: str, round: int = 0) -> MixingRow:
     """``me``'s row among ``members`` in ``round`` (from :data:`FALLBACK` where ``topology``
     has no graph for this many members)."""
-    ordered = member_order(members)
-    if me not in ordered:
-        raise ValueError(f"{me!r} is not among the members {ordered}")
-    n, i = len(ordered), ordered.index(me)
+    ordered, positions = _positions(frozenset(members))
+    if me not in positions:
+        raise ValueError(f"{me!r} is not among the members {list(ordered)}")
+    n, i = len(ordered), positions[me]
     try:
         topology.graph(n, round)
     except TopologyError:
@@ -71,12 +81,12 @@ def mixing_row(topology: Topology, members: Iterable[str], me: str, round: int =
 def pair_partner(topology: Topology, members: Iterable[str], me: str, round: int = 0) -> str | None:
     """The passive neighbour ``me`` exchanges with in ``round`` when it is active (asynchronous
     pairwise gossip), or None when it is passive or has no passive neighbour."""
-    ordered = member_order(members)
-    if me not in ordered or len(ordered) < 2:
+    ordered, positions = _positions(frozenset(members))
+    if me not in positions or len(ordered) < 2:
         return None
     try:
         graph = topology.graph(len(ordered))
     except TopologyError:
         graph = FALLBACK.graph(len(ordered))
-    partner = pairwise_partner(graph, ordered.index(me), round)
+    partner = pairwise_partner(graph, positions[me], round)
     return None if partner is None else ordered[partner]

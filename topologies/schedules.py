@@ -7,6 +7,7 @@ agree on each round's graph without talking about it.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import networkx as nx
 import numpy as np
@@ -52,6 +53,7 @@ def random_matching_contraction(n: int) -> float:
     return math.sqrt((n - 2) / (2 * (n - 1)) if n % 2 == 0 else 0.5)
 
 
+@lru_cache(maxsize=64)  # keyed by the (frozen, cached) graph object: asked on every exchange
 def active_passive(graph: nx.Graph) -> tuple[frozenset[int], frozenset[int]]:
     """Split nodes into active and passive sides for asynchronous pairwise gossip (AD-PSGD).
 

@@ -1,0 +1,165 @@
+"""The simulator runs the real averaging code: pinned to a real ZeroMQ mesh, to real-time
+asynchronous runs, and to the spectral predictions at 1,024 nodes; faults and seeds behave."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import pytest
+from helpers import average_in_threads, started_peers
+
+from gossip import ADPSGD, Algorithm, Codec, consensus_distance
+from p2p.memory import MemoryNetwork
+from sim.network import Link, Partition
+from sim.run import SimResult, averaging, simulate, start_vectors
+from sim.scenario import Compute, Crash, Scenario, Stragglers
+from topologies import Topology, second_eigenvalue_modulus
+
+BIG = 1024
+
+
+def run(scenario: Scenario, algorithm: str, topology: str, vectors: np.ndarray | None = None) -> SimResult:
+    spec = Algorithm.parse(algorithm)
+    if vectors is None:
+        vectors = start_vectors(scenario.nodes, scenario.seed)
+    build = averaging(vectors, spec, Topology.parse(topology), scenario.round_timeout, Codec())
+    return simulate(scenario, build, vectors[0].nbytes)
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize(
+    ("algorithm", "topology"), [("dpsgd", "exponential"), ("sgp:overlap=0", "one-peer-exponential")]
+)
+def test_synchronous_averaging_matches_a_real_zeromq_mesh(algorithm: str, topology: str) -> None:
+    vectors = start_vectors(8, seed=11)
+    ids = [f"node-{i}" for i in range(8)]
+    real = [v.copy() for v in vectors]
+    with started_peers(ids) as peers:
+        average_in_threads(peers, real, topology=topology, rounds=6, algorithm=algorithm)
+    scenario = Scenario(nodes=8, rounds=6, compute=Compute(0.05), link=Link(0.001, 1.25e9), seed=11)
+    simulated = run(scenario, algorithm, topology, vectors).final
+    error = max(float(np.abs(simulated[i] - v).max()) for i, v in zip(ids, real, strict=True))
+    assert error < 1e-6
+    assert consensus_distance(real) < 0.5 * consensus_distance(list(vectors))  # it did average
+
+
+def test_a_simulation_is_a_function_of_its_seed_and_a_slow_link_slows_it() -> None:
+    def points(seed: int) -> list[tuple[float, float, float]]:
+        scenario = Scenario(
+            nodes=16,
+            rounds=8,
+            compute=Compute(0.1, jitter=0.3, stragglers=Stragglers(0.25, 4)),
+            link=Link(0.002, 1e8),
+            links={("node-3", "node-4"): Link(0.05, 1e7)},  # one slow link
+            loss=0.05,
+            model_bytes=10_000_000,
+            seed=seed,
+        )
+        result = run(scenario, "dpsgd", "exponential")
+        return [(p.consensus_distance, p.virtual_time_s, p.bytes_per_node) for p in result.rounds]
+
+    assert points(1) == points(1)
+    assert points(1) != points(2)
+    lockstep = Scenario(nodes=4, rounds=3, compute=Compute(0.1), links={("node-0", "node-1"): Link(0.05)})
+    ends = [p.virtual_time_s for p in run(lockstep, "dpsgd", "ring").rounds]
+    # node-1 waits for node-0's value 50 ms after node-0 sent it; node-0 only for node-1's:
+    # round 0 ends at 0.1 + 0.05, round 1 when node-1's step sent at 0.15 + 0.1 arrives, round 2
+    # when node-0's value sent at 0.25 + 0.1 reaches node-1
+    assert ends == pytest.approx([0.15, 0.25, 0.40])
+
+
+def test_one_peer_exponential_reaches_the_exact_average_in_log2_n_rounds_at_1024_nodes() -> None:
+    result = run(Scenario(nodes=BIG, rounds=10, link=Link(0.001)), "dpsgd", "one-peer-exponential")
+    distances = [p.consensus_distance for p in result.rounds]
+    assert distances[8] > 1e-3  # not before log2(1024) = 10 rounds
+    assert distances[9] < 1e-12
+
+
+def slowest_mode_vectors(n: int, size: int = 8) -> np.ndarray:
+    """A disagreement that lies in the ring's slowest eigenspace (random phase per coordinate):
+    from the first round on it contracts by exactly |lambda_2| per round."""
+    phases = np.random.default_rng(0).uniform(0, 2 * math.pi, size)
+    return 3.0 + np.cos(2 * math.pi * np.arange(n)[:, None] / n + phases[None, :])
+
+
+@pytest.mark.parametrize(
+    ("topology", "nodes", "rounds"),
+    [("ring", BIG, 6), ("random-matching", BIG, 16), ("exponential", 256, 12)],  # bench/simulator.py: 1024
+)
+def test_measured_contraction_matches_the_spectral_prediction(topology: str, nodes: int, rounds: int) -> None:
+    graph = Topology.parse(topology)
+    expected = graph.family.expected_contraction
+    predicted = expected(nodes) if expected else second_eigenvalue_modulus(graph.weights(nodes))
+    vectors = slowest_mode_vectors(nodes) if topology == "ring" else None
+    result = run(Scenario(nodes=nodes, rounds=rounds, link=Link(0.001)), "dpsgd", topology, vectors)
+    distances = [p.consensus_distance for p in result.rounds]
+    first = rounds // 2  # past the transient, where the slowest mode dominates
+    measured = (distances[-1] / distances[first]) ** (1 / (rounds - 1 - first))
+    assert measured == pytest.approx(predicted, rel=0.10)
+
+
+def rate(distances: list[float], seconds: float) -> float:
+    """Log-contraction of the consensus distance per second."""
+    return -math.log(distances[-1] / distances[0]) / seconds
+
+
+@pytest.mark.mesh
+def test_asynchronous_averaging_contracts_per_second_as_in_real_time() -> None:
+    interval, seconds, nodes = 0.05, 1.5, 8
+    vectors = list(start_vectors(nodes, seed=3))
+    network = MemoryNetwork()
+    peers = [network.join(f"node-{i}") for i in range(nodes)]
+    before = consensus_distance(vectors)
+    averagers = [
+        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=interval)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    time.sleep(seconds)
+    after = consensus_distance(vectors)
+    for averager in averagers:
+        averager.close()
+    real = rate([before, after], seconds)
+    steps = round(seconds / 0.1)
+    simulated = []
+    for seed in range(3):
+        scenario = Scenario(nodes=nodes, rounds=steps, compute=Compute(0.1), link=Link(0.0002), seed=seed)
+        start = start_vectors(nodes, seed)
+        result = run(scenario, f"adpsgd:interval_ms={interval * 1000:g}", "ring", start)
+        distances = [consensus_distance(list(start))] + [p.consensus_distance for p in result.rounds]
+        simulated.append(rate(distances, steps * 0.1))
+    assert float(np.mean(simulated)) == pytest.approx(real, rel=0.20), (simulated, real)
+
+
+def test_survivors_reach_consensus_after_a_crash_and_a_joiner_takes_part() -> None:
+    scenario = Scenario(
+        nodes=16, rounds=60, compute=Compute(0.1), link=Link(0.001), crashes=(Crash(5, 0.15),), joins=(2.0,)
+    )
+    result = run(scenario, "dpsgd", "exponential")
+    survivors = [v for node, v in result.final.items() if node != "node-5"]
+    assert len(survivors) == 16  # 15 survivors and the joiner, node-16
+    assert consensus_distance(survivors) < 1e-6
+    assert consensus_distance([result.final["node-5"], survivors[0]]) > 1e-3  # it stopped averaging
+    assert result.rounds[5].consensus_distance > 0  # recorded for the live nodes
+
+
+def test_a_partition_holds_until_it_heals_and_a_lossy_mesh_still_agrees() -> None:
+    side = frozenset(f"node-{i}" for i in range(8))
+    cut = Scenario(
+        nodes=16,
+        rounds=40,
+        compute=Compute(0.1),
+        link=Link(0.001),
+        partitions=(Partition(0.0, 100.0, side),),
+        round_timeout=0.05,
+    )
+    final = run(cut, "dpsgd", "exponential").final
+    halves = [[v for node, v in final.items() if (node in side) == inside] for inside in (True, False)]
+    assert all(consensus_distance(half) < 1e-9 for half in halves)
+    assert consensus_distance(list(final.values())) > 1e-2
+    healed = dataclasses.replace(cut, partitions=(Partition(0.0, 1.0, side),), loss=0.01)
+    result = run(healed, "dpsgd", "exponential")
+    assert result.rounds[-1].consensus_distance < 1e-9
+    assert result.messages_lost > 0
