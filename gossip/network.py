@@ -66,3 +66,40 @@ class PeerNetwork(Protocol):
         """The oldest message (of one of ``kinds``, if given), or None after ``timeout`` s or
         when the membership changed."""
         ...
+
+
+class PeerWrapper:
+    """A ``PeerNetwork`` that passes every call on to ``peer``; subclasses change what they
+    intercept (phase timing, a Byzantine test node)."""
+
+    def __init__(self, peer: PeerNetwork) -> None:
+        self._peer = peer
+
+    @property
+    def node_id(self) -> str:
+        return self._peer.node_id
+
+    def now(self) -> float:
+        return self._peer.now()
+
+    def members(self, round: int | None = None) -> frozenset[str]:
+        return self._peer.members(round)
+
+    def send(
+        self,
+        to: str,
+        kind: str,
+        round: int,
+        tensors: Sequence[np.ndarray] = (),
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._peer.send(to, kind, round, tensors, meta)
+
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
+        return self._peer.recv(timeout, kinds)
+
+    def missed(self, node_id: str) -> None:
+        self._peer.missed(node_id)
+
+    def start_at_round(self, first_round: int) -> None:
+        self._peer.start_at_round(first_round)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gossip.network import Envelope, PeerNetwork
+from gossip.network import Envelope, PeerNetwork, PeerWrapper
 
 PHASES = ("compute", "encode", "send", "wait", "decode", "mix")
 
@@ -68,19 +68,12 @@ class PhaseTimer:
         self._phase, self._since = phase, now
 
 
-class TimedPeer:
+class TimedPeer(PeerWrapper):
     """A ``PeerNetwork`` that tells a :class:`PhaseTimer` which phase each call starts."""
 
     def __init__(self, peer: PeerNetwork, timer: PhaseTimer) -> None:
-        self._peer = peer
+        super().__init__(peer)
         self._timer = timer
-
-    @property
-    def node_id(self) -> str:
-        return self._peer.node_id
-
-    def members(self, round: int | None = None) -> frozenset[str]:
-        return self._peer.members(round)
 
     def send(
         self,
@@ -102,12 +95,3 @@ class TimedPeer:
         if timing:
             self._timer.enter("mix" if message is None else "decode")
         return message
-
-    def missed(self, node_id: str) -> None:
-        self._peer.missed(node_id)
-
-    def now(self) -> float:
-        return self._peer.now()
-
-    def start_at_round(self, first_round: int) -> None:
-        self._peer.start_at_round(first_round)

@@ -6,13 +6,13 @@ within the wire format and the finiteness checks, so only the mixing rule can st
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gossip.network import Envelope, PeerNetwork
+from gossip.network import PeerNetwork, PeerWrapper
 
 MODES = ("scale", "random")
 MODEL_KINDS = frozenset({"params", "push", "pair_request", "pair_reply"})  # what carries a model
@@ -45,20 +45,13 @@ def parse_byzantine(text: str) -> Corruption:
     return Corruption(mode, value)
 
 
-class ByzantinePeer:
+class ByzantinePeer(PeerWrapper):
     """A ``PeerNetwork`` that corrupts the models sent through it and passes the rest on."""
 
     def __init__(self, peer: PeerNetwork, corruption: Corruption, seed: int = 0) -> None:
-        self._peer = peer
+        super().__init__(peer)
         self._corruption = corruption
         self._rng = np.random.default_rng(seed)
-
-    @property
-    def node_id(self) -> str:
-        return self._peer.node_id
-
-    def members(self, round: int | None = None) -> frozenset[str]:
-        return self._peer.members(round)
 
     def send(
         self,
@@ -71,15 +64,3 @@ class ByzantinePeer:
         if kind in MODEL_KINDS and tensors:
             tensors = [self._corruption.apply(tensors[0], self._rng), *tensors[1:]]
         self._peer.send(to, kind, round, tensors, meta)
-
-    def missed(self, node_id: str) -> None:
-        self._peer.missed(node_id)
-
-    def now(self) -> float:
-        return self._peer.now()
-
-    def start_at_round(self, first_round: int) -> None:
-        self._peer.start_at_round(first_round)
-
-    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
-        return self._peer.recv(timeout, kinds)
