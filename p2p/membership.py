@@ -128,6 +128,7 @@ class Membership:
         self.events: list[dict[str, Any]] = []  # {"t", "observer", "node", "event"}
         self.joined = threading.Event()
         self._transport = transport
+        transport.on_unreachable = self._on_unreachable
         self._bootstrap = list(bootstrap)
         self._clock = clock
         self._table = MemberTable()
@@ -320,6 +321,13 @@ class Membership:
             self._probe_order = [m.id for m in self._table.live()]
             self._rng.shuffle(self._probe_order)
         return None
+
+    def _on_unreachable(self, address: str) -> None:
+        """The transport could not queue a message to ``address`` (its connection is gone):
+        probe the member there now."""
+        for member in self._table.live():
+            if member.address == address:
+                self._hurry(member.id)
 
     def _hurry(self, node_id: str) -> None:
         now = time.monotonic()

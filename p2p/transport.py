@@ -147,6 +147,9 @@ class Transport:
         self._send_queue = send_queue
         self._linger_ms = int(linger_s * 1000)
         self._chunk_bytes = chunk_bytes
+        # called (network thread) with an address no message could be queued to: the failure
+        # detector hears of a closed connection at once rather than at its next probe
+        self.on_unreachable: Callable[[str], None] | None = None
         self._assembler = Assembler()
         self._streams: dict[str, deque[deque[list[Any]]]] = {}  # address -> streams left to send
         self._poller = zmq.Poller()
@@ -418,6 +421,8 @@ class Transport:
                 continue
         if not sent:
             self.stats.dropped["peer_unreachable_or_full"] += 1
+            if self.on_unreachable is not None:
+                self.on_unreachable(address)
             return
         self.stats.messages_sent += 1
         self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
