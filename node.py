@@ -70,7 +70,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     if config.threads:
         torch.set_num_threads(config.threads)
     task = load_task(config.task)
-    model = task.model(config.seed)
+    model = task.model(config.seed).to(config.device)
     node_id = config.id or default_id(config.listen)
     if config.insecure:
         say(config.progress, f"WARNING: {insecure_warning()}")
@@ -96,7 +96,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         return stop.is_set()
 
     peer.start()
-    record = NodeRecord(id=node_id, rank=-1, address=peer.address)
+    record = NodeRecord(id=node_id, rank=-1, address=peer.address, device=config.device)
     started = time.monotonic()
     try:
         say(

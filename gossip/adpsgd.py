@@ -34,6 +34,7 @@ class ADPSGD(Averager):
     plus ``interval_s``: the least time between two exchanges this node starts."""
 
     kinds: ClassVar[tuple[str, ...]] = (REQUEST, REPLY)
+    mixes_in_background: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -72,6 +72,8 @@ class Averager:
     """
 
     kinds: ClassVar[tuple[str, ...]] = ()  # message kinds this algorithm reads
+    #: whether parameters are mixed outside after_step (by a background exchanger), at any time
+    mixes_in_background: ClassVar[bool] = False
 
     def __init__(
         self,

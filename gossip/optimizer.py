@@ -57,6 +57,9 @@ class GossipOptimizer:
             evaluate the model consistently.
         robust: a Byzantine-robust mixing rule (``gossip.robust``: ``"clip"``, ``"trimmed-mean"``),
             dpsgd only; None: the plain weighted mean.
+        staged: mix a host copy of the parameters, copied from the device before a round and
+            back after it (before and after every step with a background exchanger); None: when
+            the model is not on the CPU (see ``gossip.flat``).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class GossipOptimizer:
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
         robust: RobustRule | str | None = None,
+        staged: bool | None = None,
     ) -> None:
         spec = algorithm if isinstance(algorithm, Algorithm) else Algorithm.parse(algorithm)
         rule = RobustRule.parse(robust) if isinstance(robust, str) else robust
@@ -88,7 +92,7 @@ class GossipOptimizer:
         self._before_mixing: np.ndarray | None = None
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.flat = FlatParameters(self._params)
+        self.flat = FlatParameters(self._params, staged=staged)
         graph = (
             topology if isinstance(topology, Topology) else Topology.parse(topology or spec.default_topology)
         )
@@ -113,18 +117,25 @@ class GossipOptimizer:
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if self._started is None:
             self._started = self.peer.now()
+        background = self.averager.mixes_in_background
         with self._lock:
+            if background:
+                self.flat.copy_to_device()  # what the exchanger mixed in since the last step
             self._estimate_consensus()
             loss = self.optimizer.step(closure)
             self.local_steps += 1
+            round_due = self.local_steps % self.average_every == 0
+            if round_due or background:
+                self.flat.copy_to_host()
             if self.local_steps % (self.average_every * CONSENSUS_EVERY) == 0:
                 self._before_mixing = self.flat.array.copy()
-        if self.local_steps % self.average_every == 0:
+        if round_due:
             with self.phases.round():
                 self.last_round = self.averager.after_step()
-                if self.outer is not None:
-                    with self._lock:
+                with self._lock:
+                    if self.outer is not None:
                         self.outer.step(self.flat.array)
+                    self.flat.copy_to_device()
         return loss
 
     def _estimate_consensus(self) -> None:
@@ -153,6 +164,8 @@ class GossipOptimizer:
     def snapshot(self) -> Snapshot:
         """The training state a newcomer needs: parameters, optimizer buffers, counters."""
         with self._lock:
+            if not self.averager.mixes_in_background:  # else the host copy is the newer one
+                self.flat.copy_to_host()
             tensors = {"params": self.flat.array.copy(), **self._optimizer_buffers()}
         counters = {
             "local_steps": self.local_steps,
@@ -176,6 +189,7 @@ class GossipOptimizer:
                 )
         with self._lock:
             np.copyto(reference, snapshot.tensors["params"])
+            self.flat.copy_to_device()
             for name, array in snapshot.tensors.items():
                 if name.startswith("optimizer."):
                     self._load_optimizer_buffer(name.removeprefix("optimizer."), array)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 import topologies
 from gossip import ALGORITHMS, CODECS, Algorithm, AlgorithmError, parse_codec
 from gossip.robust import RobustError, RobustRule
@@ -37,6 +39,8 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_STEPS = 600
 
 Config = TypeVar("Config", bound="TrainConfig")
+Value = TypeVar("Value")
+Number = TypeVar("Number", int, float)
 
 
 class ConfigError(ValueError):
@@ -132,6 +136,11 @@ class TrainConfig:
         "Byzantine-robust mixing (dpsgd): none, clip (self-centred clipping) or trimmed-mean; "
         "':b=K' tolerates K bad neighbours (default 1)",
     )
+    device: str = _option(
+        "cpu",
+        "torch device the model trains on: cpu, cuda or cuda:INDEX (nodes on different devices "
+        "gossip together; a GPU model is mixed through a pinned host copy)",
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -161,6 +170,7 @@ class TrainConfig:
             "--topology",
             f"choco needs a static undirected graph (ring, torus, exponential...), not {graph}",
         )
+        check_device(self.device)
         if self.partition != "iid":
             try:
                 parse_dirichlet(self.partition)
@@ -362,6 +372,9 @@ class MeshConfig(TrainConfig):
     pause: tuple[str, ...] = _option(
         (), "RANK@SECONDS:DURATION: stop node RANK (SIGSTOP) for DURATION s (repeatable)", repeat=True
     )
+    node_device: tuple[str, ...] = _option(
+        (), "RANK:DEVICE, node RANK trains on DEVICE instead of --device (repeatable)", repeat=True
+    )
     insecure: bool = _switch("run the nodes without CURVE (by default the mesh makes a key pair per node)")
     byzantine: tuple[str, ...] = _option(
         (),
@@ -388,6 +401,7 @@ class MeshConfig(TrainConfig):
         self.slowdown_by_rank()  # validates
         self.batch_by_rank()
         self.byzantine_by_rank()
+        self.device_by_rank()
         self.chaos()
 
     def chaos(self) -> list[ChaosAction]:
@@ -408,41 +422,64 @@ class MeshConfig(TrainConfig):
         return sorted(actions)
 
     def batch_by_rank(self) -> dict[int, int]:
-        sizes: dict[int, int] = {}
-        for text in self.node_batch:
-            rank, _, size = text.partition(":")
-            try:
-                sizes[int(rank)] = int(size)
-            except ValueError:
-                raise ConfigError(f"--node-batch {text!r}: expected RANK:SIZE, e.g. 3:64") from None
-            _check(0 <= int(rank) < self.nodes, "--node-batch", f"rank {rank} is not in 0..{self.nodes - 1}")
-            _check(int(size) >= 1, "--node-batch", f"size must be >= 1, got {size}")
-        return sizes
+        return self._by_rank("node_batch", "SIZE", "3:64", _at_least_one(int, "size"))
 
     def byzantine_by_rank(self) -> dict[int, str]:
-        modes: dict[int, str] = {}
-        for text in self.byzantine:
-            rank, _, mode = text.partition(":")
-            _check(rank.isdigit(), "--byzantine", f"{text!r}: expected RANK:MODE, e.g. 2:scale:-10")
-            _check(int(rank) < self.nodes, "--byzantine", f"rank {rank} is not in 0..{self.nodes - 1}")
-            try:
-                parse_byzantine(mode)
-            except ByzantineError as exc:
-                raise ConfigError(f"--byzantine {text!r}: {exc}") from None
-            modes[int(rank)] = mode
-        return modes
+        def mode(text: str) -> str:
+            parse_byzantine(text)
+            return text
+
+        return self._by_rank("byzantine", "MODE", "2:scale:-10", mode)
 
     def slowdown_by_rank(self) -> dict[int, float]:
-        factors: dict[int, float] = {}
-        for text in self.slowdown:
-            rank, _, factor = text.partition(":")
+        return self._by_rank("slowdown", "FACTOR", "3:4", _at_least_one(float, "factor"))
+
+    def device_by_rank(self) -> dict[int, str]:
+        return self._by_rank(
+            "node_device", "DEVICE", "0:cuda", lambda text: check_device(text, "--node-device")
+        )
+
+    def _by_rank(self, name: str, what: str, example: str, parse: Callable[[str], Value]) -> dict[int, Value]:
+        """The RANK:VALUE entries of option ``name``, by rank (validated)."""
+        values = {}
+        for text in getattr(self, name):
+            rank, colon, value = text.partition(":")
             try:
-                factors[int(rank)] = float(factor)
-            except ValueError:
-                raise ConfigError(f"--slowdown {text!r}: expected RANK:FACTOR, e.g. 3:4") from None
-            _check(0 <= int(rank) < self.nodes, "--slowdown", f"rank {rank} is not in 0..{self.nodes - 1}")
-            _check(_finite(float(factor)) >= 1, "--slowdown", f"factor must be >= 1, got {factor}")
-        return factors
+                if not (colon and rank.isdigit()):
+                    raise ValueError(f"expected RANK:{what}, e.g. {example}")
+                if int(rank) >= self.nodes:
+                    raise ValueError(f"rank {rank} is not in 0..{self.nodes - 1}")
+                values[int(rank)] = parse(value)
+            except (ValueError, ByzantineError) as exc:
+                raise ConfigError(f"{_flag(name)} {text!r}: {exc}") from None
+        return values
+
+
+def _at_least_one(kind: Callable[[str], Number], what: str) -> Callable[[str], Number]:
+    def parse(text: str) -> Number:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"the {what} {text!r} is not a number") from None
+        if not _finite(float(value)) >= 1:
+            raise ValueError(f"the {what} must be >= 1, got {text}")
+        return value
+
+    return parse
+
+
+def check_device(text: str, flag: str = "--device") -> str:
+    """``text`` if it names a torch device this machine has (cpu, cuda, cuda:INDEX)."""
+    name, _, index = text.partition(":")
+    if name not in ("cpu", "cuda") or (index and (name == "cpu" or not index.isdigit())):
+        raise ConfigError(f"{flag} {text!r}: choose cpu, cuda or cuda:INDEX")
+    available = torch.cuda.device_count() if name == "cuda" else 0
+    if name == "cuda" and available <= int(index or 0):
+        raise ConfigError(
+            f"{flag} {text!r}: this torch build sees no CUDA device {index or 0} ({available} found); "
+            "install a CUDA build (make venv TORCH_SPEC=...) or use --device cpu"
+        )
+    return text
 
 
 # -- reading ------------------------------------------------------------------------------------

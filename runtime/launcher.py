@@ -60,6 +60,7 @@ class Mesh:
         self._slowdown = config.slowdown_by_rank()
         self._batch = config.batch_by_rank()
         self._byzantine = config.byzantine_by_rank()
+        self._device = config.device_by_rank()
         self.trusted = run_dir / "trusted"
 
     def clock(self) -> float:
@@ -84,6 +85,7 @@ class Mesh:
             *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
             *(["--metrics-port", str(self.config.metrics_port + rank)] if self.config.metrics_port else []),
             *(["--byzantine", self._byzantine[rank]] if rank in self._byzantine else []),
+            *(["--device", self._device[rank]] if rank in self._device else []),
             *self._security_flags(node.id),
         ]  # fmt: skip
         node.start(self.node_main, argv)

@@ -35,6 +35,7 @@ class NodeRecord:
     rank: int
     address: str
     status: str = "failed"
+    device: str = "cpu"  # where the model trained (--device)
     t_first_step: float | None = None
     t_joined: float | None = None  # set when the node joined a running mesh (mesh clock)
     t_killed: float | None = None  # set when the mesh killed it

@@ -161,6 +161,7 @@ class Trainer:
                 ):
                     break
                 started = time.monotonic()
+                inputs, targets = inputs.to(config.device), targets.to(config.device)
                 loss = self.task.loss(self.model, inputs, targets)
                 self.optimizer.zero_grad()
                 loss.backward()

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from tasks.base import Batches, Evaluation, Shard, Task, parse_dirichlet, partition_indices
+from tasks.base import Batches, Evaluation, Shard, Task, device_of, parse_dirichlet, partition_indices
 from tasks.charlm import CharLMTask
 from tasks.digits import DigitsTask
 
@@ -54,6 +54,7 @@ __all__ = [
     "Shard",
     "Task",
     "TaskError",
+    "device_of",
     "load_task",
     "parse_dirichlet",
     "partition_indices",

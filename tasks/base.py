@@ -58,6 +58,11 @@ class Task(Protocol):
         ...
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters are: a task's evaluate moves its held-out data there."""
+    return next(model.parameters()).device
+
+
 class Batches:
     """Endless minibatches, reshuffled every pass over the shard, that can resume where they were:
     :meth:`position` is the generator state at the start of the current pass and the examples

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tasks.base import Evaluation, Shard, partition_indices
+from tasks.base import Evaluation, Shard, device_of, partition_indices
 
 CONTEXT = 32  # characters a prediction may look back on
 VOCAB = ["\n", *map(chr, range(32, 127))]
@@ -101,8 +101,9 @@ class CharLMTask:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Evaluation:
-        logits = model(self._test[:, :-1]).reshape(-1, VOCAB_SIZE)
-        targets = self._test[:, 1:].reshape(-1)
+        test = self._test.to(device_of(model))
+        logits = model(test[:, :-1]).reshape(-1, VOCAB_SIZE)
+        targets = test[:, 1:].reshape(-1)
         return Evaluation(
             loss=float(functional.cross_entropy(logits, targets)),
             accuracy=float((logits.argmax(dim=1) == targets).float().mean()),

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tasks.base import Evaluation, Shard, partition_indices
+from tasks.base import Evaluation, Shard, device_of, partition_indices
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
@@ -76,8 +76,10 @@ class DigitsTask:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Evaluation:
-        logits = model(self._test_x)
+        device = device_of(model)
+        inputs, targets = self._test_x.to(device), self._test_y.to(device)
+        logits = model(inputs)
         return Evaluation(
-            loss=float(functional.cross_entropy(logits, self._test_y)),
-            accuracy=float((logits.argmax(dim=1) == self._test_y).float().mean()),
+            loss=float(functional.cross_entropy(logits, targets)),
+            accuracy=float((logits.argmax(dim=1) == targets).float().mean()),
         )

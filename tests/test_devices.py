@@ -1,0 +1,140 @@
+"""Nodes whose model is not in host memory: the staged path (a host copy of the flat parameters,
+copied to and from the device around mixing) runs here on the CPU with ``staged=True``; a CUDA
+device runs the same lines (``bench/gpu_check.py`` checks that on a GPU machine)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gossip import FlatParameters, GossipOptimizer
+from p2p.memory import MemoryNetwork
+from runtime.config import ConfigError, MeshConfig, NodeConfig
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def test_a_staged_host_copy_changes_only_when_copied() -> None:
+    model = _model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    flat = FlatParameters(model.parameters(), staged=True)
+    start = flat.array.copy()
+    np.testing.assert_array_equal(start, flat.tensor.numpy())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    np.testing.assert_array_equal(flat.array, start)  # the step is on the "device" only
+    flat.copy_to_host()
+    np.testing.assert_array_equal(flat.array, flat.tensor.numpy())
+    assert not np.array_equal(flat.array, start)
+    flat.array[:] = 0.5
+    assert all(bool((p != 0.5).any()) for p in model.parameters())
+    flat.copy_to_device()
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def _train_pair(
+    staged: tuple[bool, bool], *, algorithm: str, steps: int, **options: object
+) -> list[np.ndarray]:
+    """Two nodes on an in-memory network training one regression each (different data), in
+    threads; the final flat parameters of each."""
+    network = MemoryNetwork()
+    peers = [network.join(name) for name in ("a", "b")]
+    models = [_model(0), _model(0)]
+    optimizers = [
+        GossipOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            peer=p,
+            algorithm=algorithm,
+            topology="ring",
+            staged=s,
+            **options,  # type: ignore[arg-type]
+        )
+        for m, p, s in zip(models, peers, staged, strict=True)
+    ]
+
+    def train(rank: int) -> None:
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            inputs = torch.randn(16, 4, generator=generator)
+            loss = (models[rank](inputs).squeeze(1) - inputs.sum(1) * (rank + 1)).pow(2).mean()
+            optimizers[rank].zero_grad()
+            loss.backward()
+            optimizers[rank].step()
+            if optimizers[rank].averager.mixes_in_background:
+                time.sleep(0.002)  # let the exchanger run between steps
+
+    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for optimizer in optimizers:
+        optimizer.close()
+    return [o.flat.tensor.detach().numpy().copy() for o in optimizers]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"average_every": 1}, {"average_every": 3}, {"average_every": 4, "outer_lr": 0.7}],
+    ids=["every-step", "every-3", "diloco-4"],
+)
+def test_a_staged_node_trains_exactly_as_a_host_node(options: dict[str, object]) -> None:
+    """Synchronous D-PSGD with one node staged gives the same parameters, bit for bit, as with
+    none: the staged copies move exactly what mixing reads and writes."""
+    plain = _train_pair((False, False), algorithm="dpsgd", steps=24, **options)
+    mixed = _train_pair((True, False), algorithm="dpsgd", steps=24, **options)
+    for ours, theirs in zip(mixed, plain, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    assert not np.array_equal(plain[0], _model_array(0))  # it trained
+
+
+def _model_array(seed: int) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in _model(seed).parameters()]).numpy()
+
+
+def test_background_mixing_reaches_a_staged_model_and_is_never_lost() -> None:
+    """AD-PSGD mixes the host copy at any time. With lr 0 pairwise averaging must keep the sum
+    of the two models exactly and bring them together: a mixing overwritten by a copy from the
+    device, or never copied to it, breaks the sum."""
+    network = MemoryNetwork()
+    peers = [network.join(name) for name in ("a", "b")]
+    models = [_model(0), _model(1)]
+    total = sum(_model_array(s) for s in (0, 1))
+    optimizers = [
+        GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, algorithm="adpsgd", staged=True)
+        for m, p in zip(models, peers, strict=True)
+    ]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and min(o.averager.exchanges for o in optimizers) < 20:
+        for optimizer in optimizers:
+            optimizer.step()
+        time.sleep(0.005)
+    for optimizer in optimizers:
+        optimizer.close()
+        optimizer.step()  # the last mixing reaches the device
+    finals = [o.flat.tensor.numpy() for o in optimizers]
+    assert min(o.averager.exchanges for o in optimizers) >= 20
+    np.testing.assert_allclose(finals[0] + finals[1], total, atol=1e-5)
+    np.testing.assert_allclose(finals[0], finals[1], atol=1e-5)
+
+
+def test_device_flags_are_checked() -> None:
+    assert NodeConfig(insecure=True, device="cpu").device == "cpu"
+    with pytest.raises(ConfigError, match=re.escape("--device 'tpu0': choose cpu, cuda or cuda:INDEX")):
+        NodeConfig(insecure=True, device="tpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            ConfigError, match=re.escape("--device 'cuda:1': this torch build sees no CUDA device 1 ")
+        ):
+            NodeConfig(insecure=True, device="cuda:1")
+    assert MeshConfig(nodes=3, node_device=("2:cpu",)).device_by_rank() == {2: "cpu"}
+    with pytest.raises(ConfigError, match=re.escape("--node-device '5:cpu': rank 5 is not in 0..2")):
+        MeshConfig(nodes=3, node_device=("5:cpu",))
