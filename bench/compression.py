@@ -6,7 +6,8 @@ rounds until every node reaches the target held-out accuracy (each node counted 
 timeline point at or above the target), the lowest final accuracy, and the ratios against the
 ``dpsgd`` arm: how many times fewer bytes and rounds, and the accuracy lost in points. The
 compressed arms run CHOCO-SGD with its default consensus step size unless the arm names one
-(γ); ``H=...`` arms take H local steps between gossip rounds with the outer Nesterov step.
+(γ); ``H=...`` arms take H local steps between gossip rounds with the outer Nesterov step
+(``overlap``: the round's models are mixed one round later, communication behind the steps).
 
     python bench/compression.py [--nodes 8] [--steps 800] [--target 0.93] [--arms dpsgd,int8,...]
 """
@@ -32,6 +33,8 @@ ARMS: dict[str, list[str]] = {
     "randk:0.1": ["--algorithm", "choco", "--compression", "randk:0.1"],
     "H=10": ["--local-steps", "10"],
     "H=50": ["--local-steps", "50"],
+    "H=10 overlap": ["--local-steps", "10", "--algorithm", "dpsgd:overlap=1"],
+    "H=50 overlap": ["--local-steps", "50", "--algorithm", "dpsgd:overlap=1"],
     "H=10+int8": ["--local-steps", "10", "--algorithm", "choco", "--compression", "int8"],
 }
 

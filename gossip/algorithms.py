@@ -4,7 +4,7 @@
 name        what it is                                                parameters (default)
 ==========  ========================================================  =========================
 dpsgd       synchronous D-PSGD; a round waits (bounded) for the       backup (0: all),
-            neighbours                                                 staleness (0)
+            neighbours (overlap=1: for last round's, mixed late)       overlap (0), staleness (0)
 sgp         Stochastic Gradient Push: push-sum on a directed,         overlap (1), staleness (256)
             time-varying graph
 adpsgd      asynchronous pairwise averaging on a background thread;   interval_ms (5),
@@ -52,6 +52,12 @@ def _count(text: str) -> int:
     return value
 
 
+def _bit(text: str) -> int:
+    if text not in ("0", "1"):
+        raise ValueError(text)
+    return int(text)
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -67,7 +73,7 @@ def _fraction(text: str) -> float:
 
 
 FAMILIES: dict[str, _Family] = {
-    "dpsgd": _Family(DPSGD, {"backup": _count, "staleness": _count}, "ring"),
+    "dpsgd": _Family(DPSGD, {"backup": _count, "overlap": _bit, "staleness": _count}, "ring"),
     "sgp": _Family(SGP, {"overlap": _count, "staleness": _count}, "one-peer-exponential"),
     "adpsgd": _Family(ADPSGD, {"interval_ms": _positive, "staleness": _count}, "ring"),
     "choco": _Family(CHOCO, {"gamma": _fraction}, "ring", compresses=True),

@@ -131,12 +131,28 @@ class GossipOptimizer:
                 self._before_mixing = self.flat.array.copy()
         if round_due:
             with self.phases.round():
-                self.last_round = self.averager.after_step()
-                with self._lock:
-                    if self.outer is not None:
-                        self.outer.step(self.flat.array)
-                    self.flat.copy_to_device()
+                self._gossip()
         return loss
+
+    def _gossip(self) -> None:
+        """A gossip round, with the outer step around it in local-steps training: after the
+        mixing; or, when the algorithm mixes a round late, before it, so the new anchor is what
+        goes out and mixing corrects the anchor without passing through the outer momentum
+        (momentum on a one-round-old correction diverges)."""
+        outer, params = self.outer, self.flat.array
+        if outer is not None and self.averager.overlap:
+            with self._lock:
+                outer.step(params)
+            self.last_round = self.averager.after_step()
+            with self._lock:
+                outer.move_anchor(params)
+                self.flat.copy_to_device()
+            return
+        self.last_round = self.averager.after_step()
+        with self._lock:
+            if outer is not None:
+                outer.step(params)
+            self.flat.copy_to_device()
 
     def _estimate_consensus(self) -> None:
         """Before a local step: how far mixing (in the round, or in the background since) moved

@@ -39,6 +39,10 @@ class OuterNesterov:
         add_scaled(self.anchor, gradient, -self.lr, self._scratch)
         np.copyto(params, self.anchor)
 
+    def move_anchor(self, params: np.ndarray) -> None:
+        """Take ``params`` as the anchor, keeping the momentum (after mixing moved them)."""
+        np.copyto(self.anchor, params)
+
     def reset(self, params: np.ndarray) -> None:
         """Start again from ``params`` (after taking another node's state)."""
         np.copyto(self.anchor, params)

@@ -91,6 +91,28 @@ def test_dpsgd_with_backup_neighbours_does_not_wait_for_the_last_one() -> None:
     np.testing.assert_allclose(own, 2.0)  # 1/3 and 1/3, renormalised over what came
 
 
+def test_overlapped_dpsgd_keeps_the_mean_and_contracts_at_the_delayed_rate() -> None:
+    """Mixing last round's values in difference form: the mean is exact every round, and the
+    consensus distance contracts at the largest root of z² = z - (1 - μ)/2 over W's
+    eigenvalues μ != 1 (the one-round-delayed iteration with γ = 1/2)."""
+    vectors = start_vectors(8, seed=6)
+    target = np.mean(vectors, axis=0)
+    history: list[list[np.ndarray]] = [[] for _ in vectors]
+    average_in_threads(
+        memory_mesh(8), vectors, topology="ring", rounds=60, algorithm="dpsgd:overlap=1", history=history
+    )
+    distances = []
+    for r in range(60):
+        at_round = [h[r] for h in history]
+        np.testing.assert_allclose(np.mean(at_round, axis=0), target, atol=1e-12)
+        distances.append(consensus_distance(at_round))
+    measured = (distances[59] / distances[39]) ** (1 / 20)
+    mu = np.linalg.eigvalsh(Topology.parse("ring").weights(8))[:-1]
+    roots = np.concatenate([np.roots([1, -1, (1 - m) / 2]) for m in mu])
+    assert measured == pytest.approx(np.abs(roots).max(), rel=0.01)  # 0.8904
+    assert distances[59] < 1e-2 * distances[0]
+
+
 def test_algorithm_names_and_parameters() -> None:
     assert str(Algorithm.parse("dpsgd:staleness=2,backup=1")) == "dpsgd:backup=1,staleness=2"
     assert Algorithm.parse("sgp").default_topology == "one-peer-exponential"

@@ -264,6 +264,7 @@ DPSGD_BYTES = 600 * 2 * 4 * 9610  # 600 rounds, a float32 model to each of 2 rin
         (["--algorithm", "choco", "--compression", "int8"], 3.5),
         (["--algorithm", "choco", "--compression", "topk:0.01"], 10),
         (["--local-steps", "10"], 8),
+        (["--local-steps", "10", "--algorithm", "dpsgd:overlap=1"], 8),
     ],
 )
 def test_compressed_and_local_steps_meshes_reach_the_target(
