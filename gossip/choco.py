@@ -23,6 +23,11 @@ the rounds it was late for, as D-PSGD leaves out a late value. The difference fo
 renormalisation: the node just does not move towards it.
 
 Every holder must receive every q of its sender, so CHOCO runs on static undirected graphs.
+
+The parameters may live on a CUDA device (a cupy view of the model's flat buffer,
+``gossip.arrays.from_torch``): then the public copies, the replicas, the differences, the codec
+and the mixing all run as kernels there, and only the encoded frames cross to the host (staged
+in pinned memory, ``gossip.arrays.to_host``) and back (``to_device``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from gossip.arrays import Array, array_module, to_device, to_host
 from gossip.averager import Averager, RoundStats
 from gossip.compression import Codec, CodecError, Sparse
 from gossip.network import Envelope, PeerNetwork
@@ -62,9 +68,9 @@ def default_gamma(codec: Codec) -> float:
 class _Replica:
     """A neighbour's public copy as this node holds it, at the version of one round."""
 
-    value: np.ndarray | None = None  # None until the sender's full copy arrives
+    value: Array | None = None  # None until the sender's full copy arrives (on this node's device)
     next_round: int = 0  # the round of the next q to add (the value is that of the round before)
-    pending: dict[int, np.ndarray] = field(default_factory=dict)  # q's not added yet
+    pending: dict[int, Array] = field(default_factory=dict)  # q's not added yet
     asked_at: float = -math.inf  # when the full copy was last requested (peer.now() s)
 
     def catch_up(self, upto: int) -> None:
@@ -96,7 +102,7 @@ class CHOCO(Averager):
     def __init__(
         self,
         peer: PeerNetwork,
-        params: np.ndarray,
+        params: Array,
         *,
         topology: Topology,
         codec: Codec,
@@ -128,8 +134,9 @@ class CHOCO(Averager):
         self.public += self.codec.decode(encoded.frames, encoded.meta, self.public.size)
         self._published = r
         row = self._row(r)
+        frames = to_host(encoded.frames)
         for target in row.send_to:
-            self.peer.send(target, KIND, r, encoded.frames, encoded.meta)
+            self.peer.send(target, KIND, r, frames, encoded.meta)
         started = self.peer.now()
         expected = self._gather(r, row)
         wait_s = self.peer.now() - started
@@ -140,7 +147,7 @@ class CHOCO(Averager):
 
     def restart(self, round: int) -> None:
         super().restart(round)
-        np.copyto(self.public, self.params)
+        self.public[...] = self.params
         self._published = round - 1
         self._replicas.clear()
 
@@ -176,20 +183,20 @@ class CHOCO(Averager):
     def _take(self, message: Envelope) -> None:
         sender = message.sender
         if message.kind == FULL_REQUEST:
-            self.peer.send(sender, FULL, self._published, [self.public.copy()])
+            self.peer.send(sender, FULL, self._published, to_host([self.public.copy()]))
             self.full_copies_sent += 1
             return
         if message.kind == FULL:
             if self._valid(message):
                 self._heard_from(sender)
                 replica = self._replicas.setdefault(sender, _Replica())
-                replica.value = np.array(message.tensors[0], dtype=self.params.dtype)
+                replica.value = array_module(self.params).array(message.tensors[0], dtype=self.params.dtype)
                 replica.next_round = message.round + 1
                 replica.pending = {k: q for k, q in replica.pending.items() if k > message.round}
                 replica.catch_up(self.round)
             return
         try:
-            q = self.codec.decode(message.tensors, message.meta, self.params.size)
+            q = self.codec.decode(to_device(message.tensors, self.params), message.meta, self.params.size)
         except CodecError as exc:
             self.rejected[exc.reason] += 1
             return

@@ -10,6 +10,11 @@ reason the node counts: frames come from the network.
 Sparse codecs pick the cheaper of two formats per message: ``index`` (uint32 positions + float32
 values, 8 bytes a kept value) or ``bitmap`` (one bit per element + float32 values), so a dense
 selection never costs more than 1/8 of a byte per element for its positions.
+
+Every codec runs on the array module of its input (``gossip.arrays``): numpy on the CPU, cupy
+kernels for a vector on a CUDA device, the same lines computing the same function. Only
+``randk`` draws on the host, with numpy's generator on both paths, so a seed picks the same
+positions wherever the vector lives.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from gossip.arrays import Array, array_module
 
 INT8_BLOCK = 256  # elements sharing one int8 scale: 4 bytes of scale per 256 bytes of values
 _FP16_MAX = float(np.finfo(np.float16).max)
@@ -36,7 +43,7 @@ class CodecError(ValueError):
 
 @dataclass(frozen=True)
 class Encoded:
-    frames: list[np.ndarray]
+    frames: list[Array]  # arrays of the input's module: to_host() makes them sendable
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -51,10 +58,10 @@ class Codec:
     #: whether decode(encode(x)) == x bit for bit
     exact = True
 
-    def encode(self, x: np.ndarray) -> Encoded:
-        return Encoded([np.ascontiguousarray(x, dtype=np.float32)])
+    def encode(self, x: Array) -> Encoded:
+        return Encoded([array_module(x).ascontiguousarray(x, dtype=np.float32)])
 
-    def decode(self, frames: Sequence[np.ndarray], meta: Mapping[str, Any], size: int) -> np.ndarray:
+    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         (values,) = _expect(frames, [(np.float32, size)])
         return values
 
@@ -66,11 +73,11 @@ class Float16(Codec):
     name = "fp16"
     exact = False
 
-    def encode(self, x: np.ndarray) -> Encoded:
+    def encode(self, x: Array) -> Encoded:
         # Clip first: a value beyond fp16's range would become inf, which receivers refuse.
-        return Encoded([np.clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)])
+        return Encoded([array_module(x).clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)])
 
-    def decode(self, frames: Sequence[np.ndarray], meta: Mapping[str, Any], size: int) -> np.ndarray:
+    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         (values,) = _expect(frames, [(np.float16, size)])
         return values.astype(np.float32)
 
@@ -81,15 +88,16 @@ class BFloat16(Codec):
     name = "bf16"
     exact = False
 
-    def encode(self, x: np.ndarray) -> Encoded:
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    def encode(self, x: Array) -> Encoded:
+        xp = array_module(x)
+        bits = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
         top = (bits.astype(np.uint64) + rounding) >> np.uint64(16)
         # A finite value at the very top of the range rounds to inf: keep the largest finite.
-        top = np.minimum(top & np.uint64(0x7FFF), np.uint64(0x7F7F)) | (top & np.uint64(0x8000))
+        top = xp.minimum(top & np.uint64(0x7FFF), np.uint64(0x7F7F)) | (top & np.uint64(0x8000))
         return Encoded([top.astype(np.uint16)])
 
-    def decode(self, frames: Sequence[np.ndarray], meta: Mapping[str, Any], size: int) -> np.ndarray:
+    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         (top,) = _expect(frames, [(np.uint16, size)])
         return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
@@ -101,18 +109,18 @@ class Int8(Codec):
     name = "int8"
     exact = False
 
-    def encode(self, x: np.ndarray) -> Encoded:
-        blocks = _blocks(np.ascontiguousarray(x, dtype=np.float32))
-        scales = np.abs(blocks).max(axis=1) / 127.0
-        safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
-        q = np.rint(blocks / safe[:, None]).astype(np.int8).reshape(-1)[: x.size]
+    def encode(self, x: Array) -> Encoded:
+        xp = array_module(x)
+        blocks = _padded(x).reshape(-1, INT8_BLOCK)
+        scales = xp.abs(blocks).max(axis=1) / 127.0
+        safe = xp.where(scales > 0, scales, 1.0).astype(np.float32)
+        q = xp.rint(blocks / safe[:, None]).astype(np.int8).reshape(-1)[: x.size]
         return Encoded([q, scales.astype(np.float32)])
 
-    def decode(self, frames: Sequence[np.ndarray], meta: Mapping[str, Any], size: int) -> np.ndarray:
+    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         q, scales = _expect(frames, [(np.int8, size), (np.float32, _block_count(size))])
         _check_finite(scales)
-        padded = np.zeros(_block_count(size) * INT8_BLOCK, dtype=np.float32)
-        padded[:size] = q
+        padded = _padded(q)
         blocks = padded.reshape(-1, INT8_BLOCK)
         blocks *= scales[:, None]
         return padded[:size]
@@ -137,37 +145,40 @@ class Sparse(Codec):
     def kept(self, size: int) -> int:
         return max(1, min(size, math.ceil(self.fraction * size)))
 
-    def encode(self, x: np.ndarray) -> Encoded:
+    def encode(self, x: Array) -> Encoded:
+        xp = array_module(x)
         k = self.kept(x.size)
         if self.name == "topk":
-            chosen = np.argpartition(np.abs(x), x.size - k)[x.size - k :]
+            chosen = xp.argpartition(xp.abs(x), x.size - k)[x.size - k :]
         else:
-            chosen = self._rng.choice(x.size, size=k, replace=False)
+            chosen = xp.asarray(self._rng.choice(x.size, size=k, replace=False))
         chosen.sort()
-        values = np.ascontiguousarray(x[chosen], dtype=np.float32)
+        values = xp.ascontiguousarray(x[chosen], dtype=np.float32)
         if k * _INDEX_BYTES <= _bitmap_bytes(x.size):
             return Encoded([chosen.astype(np.uint32), values], {"sparse": "index"})
-        mask = np.zeros(x.size, dtype=bool)
+        mask = xp.zeros(x.size, dtype=bool)
         mask[chosen] = True
-        return Encoded([np.packbits(mask), values], {"sparse": "bitmap"})
+        return Encoded([xp.packbits(mask), values], {"sparse": "bitmap"})
 
-    def decode(self, frames: Sequence[np.ndarray], meta: Mapping[str, Any], size: int) -> np.ndarray:
+    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         form = meta.get("sparse")
         k = self.kept(size)
-        out = np.zeros(size, dtype=np.float32)
         if form == "index":
             positions, values = _expect(frames, [(np.uint32, k), (np.float32, k)])
-            if positions.size and (positions[-1] >= size or (np.diff(positions.astype(np.int64)) <= 0).any()):
+            if positions.size and (positions[-1] >= size or (positions[1:] <= positions[:-1]).any()):
                 raise CodecError("codec_index", f"positions must be increasing and < {size}")
         elif form == "bitmap":
             bitmap, values = _expect(frames, [(np.uint8, _bitmap_bytes(size)), (np.float32, k)])
-            mask = np.unpackbits(bitmap, count=size).astype(bool)
-            if int(mask.sum()) != k or np.unpackbits(bitmap)[size:].any():
+            xp = array_module(bitmap)
+            bits = xp.unpackbits(bitmap)  # all of them (cupy's has no count=): padding must be 0
+            mask = bits[:size].astype(bool)
+            if int(mask.sum()) != k or bits[size:].any():
                 raise CodecError("codec_index", f"the bitmap must mark exactly {k} of {size} elements")
-            positions = np.flatnonzero(mask)
+            positions = xp.flatnonzero(mask)
         else:
             raise CodecError("codec_format", f"unknown sparse format {form!r}")
         _check_finite(values)
+        out = array_module(values).zeros(size, dtype=np.float32)
         out[positions] = values
         return out
 
@@ -190,7 +201,7 @@ def parse_codec(spec: str, seed: int | None = None) -> Codec:
     raise ValueError(f"unknown compression {spec!r}; choose one of: {', '.join(CODECS)}")
 
 
-def _expect(frames: Sequence[np.ndarray], shapes: list[tuple[type, int]]) -> list[np.ndarray]:
+def _expect(frames: Sequence[Array], shapes: list[tuple[type, int]]) -> list[Array]:
     """Check the frames' count, dtypes and lengths (1-D) against what the codec sends."""
     if len(frames) != len(shapes):
         raise CodecError("codec_frames", f"{len(frames)} frames, expected {len(shapes)}")
@@ -203,8 +214,8 @@ def _expect(frames: Sequence[np.ndarray], shapes: list[tuple[type, int]]) -> lis
     return list(frames)
 
 
-def _check_finite(values: np.ndarray) -> None:
-    if not np.isfinite(values).all():
+def _check_finite(values: Array) -> None:
+    if not array_module(values).isfinite(values).all():
         raise CodecError("non_finite", "NaN or infinite values")
 
 
@@ -212,10 +223,11 @@ def _block_count(size: int) -> int:
     return -(-size // INT8_BLOCK)
 
 
-def _blocks(x: np.ndarray) -> np.ndarray:
-    padded = np.zeros(_block_count(x.size) * INT8_BLOCK, dtype=np.float32)
+def _padded(x: Array) -> Array:
+    """``x`` as float32, zero-padded to whole INT8_BLOCKs."""
+    padded = array_module(x).zeros(_block_count(x.size) * INT8_BLOCK, dtype=np.float32)
     padded[: x.size] = x
-    return padded.reshape(-1, INT8_BLOCK)
+    return padded
 
 
 def _bitmap_bytes(size: int) -> int:

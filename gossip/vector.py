@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gossip.arrays import Array, array_module
+
 CHUNK = 1 << 20  # elements per vector op
 
 
@@ -13,14 +15,15 @@ def all_finite(array: np.ndarray) -> bool:
     return all(bool(np.isfinite(flat[i : i + CHUNK]).all()) for i in range(0, flat.size, CHUNK))
 
 
-def scratch_for(array: np.ndarray) -> np.ndarray:
-    """A buffer for :func:`add_scaled` on vectors like ``array``."""
-    return np.empty(min(array.size, CHUNK), dtype=array.dtype)
+def scratch_for(array: Array) -> Array:
+    """A buffer for :func:`add_scaled` on vectors like ``array`` (on its device)."""
+    return array_module(array).empty(min(array.size, CHUNK), dtype=array.dtype)
 
 
-def add_scaled(y: np.ndarray, x: np.ndarray, a: float, scratch: np.ndarray) -> None:
-    """y += a * x, chunk by chunk through ``scratch``."""
+def add_scaled(y: Array, x: Array, a: float, scratch: Array) -> None:
+    """y += a * x, chunk by chunk through ``scratch`` (numpy or cupy arrays alike)."""
+    xp = array_module(y)
     for i in range(0, y.size, scratch.size):
         part = scratch[: min(scratch.size, y.size - i)]
-        np.multiply(x[i : i + part.size], a, out=part)
+        xp.multiply(x[i : i + part.size], a, out=part)
         y[i : i + part.size] += part
