@@ -166,7 +166,10 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
         live = [n for n in member_order(network.roster.members()) if network.peers[n].alive and n in nodes]
         if not live:
             return
-        first_round = max(nodes[n].averager.round for n in live) + JOIN_AHEAD_ROUNDS
+        # the furthest node that has taken a step: one that joined a moment ago waits at its
+        # first round, and counting it would start each of a batch of joiners further ahead
+        furthest = max((nodes[n].averager.round for n in live if step_ends[n]), default=0)
+        first_round = furthest + JOIN_AHEAD_ROUNDS
         launch(index, first_round, nodes[live[0]].params.copy())
 
     for index in range(scenario.nodes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import time
@@ -221,10 +222,9 @@ def test_simulate_crashed_nodes_stop_counting_and_joiners_take_part(
 ) -> None:
     rounds = simulated_rounds("--crash", "0.25@2", "--join", "2@3", "--join", "1@100")
     nodes = [int(p["nodes"]) for p in rounds]
+    # 4 crashed nodes stop counting, never to return; both joiners start in the same round
+    assert [count for count, _ in itertools.groupby(nodes)] == [16, 12, 14]
     first_of = {count: next(p for p in rounds if p["nodes"] == count) for count in (12, 14)}
-    assert nodes[0] == 16 and min(nodes) == 12 and nodes[-1] == 14  # 4 crashed, 2 joined
-    after_crash = nodes[nodes.index(12) :]
-    assert after_crash == sorted(after_crash)  # a crashed node never counts again, a joiner stays
     assert first_of[12]["virtual_time_s"] > 2 and first_of[14]["virtual_time_s"] > 3
     assert rounds[-1]["consensus_distance"] < 1e-4  # the joiners took part in the averaging
     assert "before --join at 100 s; raise --rounds" in capsys.readouterr().err
