@@ -1,12 +1,13 @@
 """Asynchronous decentralized parallel SGD: AD-PSGD (Lian et al., ICML 2018).
 
-Training never waits for communication. A background exchanger averages the model with one
-neighbour at a time: an *active* node sends its model to a *passive* neighbour, which atomically
-replaces its own with the mean of the two and answers with its model from before; the active
-node then does the same with the answer. Nodes are split into actives and passives by the
-graph's 2-colouring (even and odd positions when it has none), so two nodes never wait on each
-other and exchanges cannot deadlock. A slow node computes slowly but keeps exchanging at the
-speed of the network, so its model stays with the others.
+Training never waits for communication. A background exchanger (which the network starts:
+``PeerNetwork.start_background``, an OS thread in a mesh, a coroutine in the simulator) averages
+the model with one neighbour at a time: an *active* node sends its model to a *passive*
+neighbour, which atomically replaces its own with the mean of the two and answers with its
+model from before; the active node then does the same with the answer. Nodes are split into
+actives and passives by the graph's 2-colouring (even and odd positions when it has none), so
+two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
+but keeps exchanging at the speed of the network, so its model stays with the others.
 
 Each model carries a version: a node's count of local steps, raised to the partner's on every
 exchange (a model that has absorbed a newer one is as new as it). A message whose model is more
@@ -62,8 +63,7 @@ class ADPSGD(Averager):
         self._exchange_ids = itertools.count(1)
         self._version_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"adpsgd-{peer.node_id}", daemon=True)
-        self._thread.start()
+        self._exchanger = peer.start_background(f"adpsgd-{peer.node_id}", self._run)
 
     def after_step(self) -> None:
         with self._version_lock:
@@ -71,12 +71,12 @@ class ADPSGD(Averager):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._exchanger.join(timeout=5)
 
     def report(self) -> dict[str, float]:
         return {**super().report(), "exchanges": self.exchanges}
 
-    # -- the exchanger thread -----------------------------------------------------------------
+    # -- the exchanger ------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.is_set():

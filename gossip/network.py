@@ -6,7 +6,7 @@ algorithm is written once. Nothing here opens a socket.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +25,14 @@ class Envelope(Protocol):
     def tensors(self) -> Sequence[np.ndarray]: ...
     @property
     def meta(self) -> Mapping[str, Any]: ...
+
+
+class Background(Protocol):
+    """Work started by :meth:`PeerNetwork.start_background` (a ``threading.Thread`` is one)."""
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until it ended (at most ``timeout`` s); ask it to end first, it polls a flag."""
+        ...
 
 
 class PeerNetwork(Protocol):
@@ -67,6 +75,12 @@ class PeerNetwork(Protocol):
         when the membership changed."""
         ...
 
+    def start_background(self, name: str, target: Callable[[], None]) -> Background:
+        """Run ``target`` beside the caller (an asynchronous algorithm's exchanger): an OS thread
+        in a real mesh, a coroutine on the virtual clock in a simulator, so an algorithm never
+        starts threads itself."""
+        ...
+
 
 class PeerWrapper:
     """A ``PeerNetwork`` that passes every call on to ``peer``; subclasses change what they
@@ -103,3 +117,6 @@ class PeerWrapper:
 
     def start_at_round(self, first_round: int) -> None:
         self._peer.start_at_round(first_round)
+
+    def start_background(self, name: str, target: Callable[[], None]) -> Background:
+        return self._peer.start_background(name, target)

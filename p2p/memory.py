@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from p2p.inbox import Inbox
+from p2p.threads import start_thread
 from p2p.wire import Message
 
 
@@ -135,6 +136,9 @@ class MemoryPeer:
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         return self._inbox.get(timeout, kinds)
+
+    def start_background(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        return start_thread(name, target)
 
     def put(self, message: Message) -> None:
         self._inbox.put(message)

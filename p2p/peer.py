@@ -6,6 +6,7 @@ id, the membership view says who is a member in each round, and sends never bloc
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 from p2p.beacon import Beacon
 from p2p.membership import PROFILES, DetectorProfile, Membership
 from p2p.security import Curve
+from p2p.threads import start_thread
 from p2p.transport import Transport, TransportError, TransportStats
 from p2p.wire import Limits, Message
 
@@ -142,6 +144,9 @@ class Peer:
     def start_at_round(self, first_round: int) -> None:
         """Announce the first gossip round this late joiner takes part in."""
         self.membership.start_at_round(first_round)
+
+    def start_background(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        return start_thread(name, target)
 
     def leave(self, after_round: int = -1) -> None:
         """Tell every member this node takes part in no gossip round after ``after_round``."""

@@ -3,21 +3,24 @@
 Pure averaging (``--model-size``, the default) starts every node from a random vector and
 charges each message as if it carried a model of that size; ``--task`` trains the task's real
 model on every node (small N). ``--algorithm allreduce`` is the ring-allreduce time model.
+Faults (``--crash``, ``--join``, ``--partition``) happen at given virtual times, in seconds
+from the start; each flag can be given several times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import TextIO
 
 from gossip import Algorithm, AlgorithmError, CodecError, parse_codec
 from runtime.config import ConfigError, _check
 from sim.allreduce import ring_allreduce
-from sim.network import Link
+from sim.network import Link, Partition
 from sim.run import RoundPoint, SimResult, averaging, simulate, start_vectors
-from sim.scenario import Compute, Scenario, Stragglers
+from sim.scenario import Compute, Crash, Scenario, Stragglers, crash_waves, parse_pair, split_in_halves
 from sim.training import model_nbytes, training
 from tasks import TASKS, load_task
 from topologies import NAMES, Topology, TopologyError
@@ -72,6 +75,29 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--round-timeout", type=float, default=2.0, metavar="S", help="longest wait (default: 2)"
     )
+    parser.add_argument(
+        "--crash",
+        action="append",
+        default=[],
+        metavar="FRACTION@SECONDS",
+        help="e.g. 0.1@2: 10%% of the nodes (drawn with the seed) crash 2 virtual s in; the others drop "
+        f"them from the membership {Scenario.detect_s:g} s later",
+    )
+    parser.add_argument(
+        "--join",
+        action="append",
+        default=[],
+        metavar="COUNT@SECONDS",
+        help="e.g. 8@3: 8 new nodes join 3 virtual s in, each starting from a live node's model",
+    )
+    parser.add_argument(
+        "--partition",
+        action="append",
+        default=[],
+        metavar="START:END",
+        help="e.g. 1:4: from 1 to 4 virtual s no message crosses between the first half of the nodes "
+        "(node-0 .. node-N/2-1) and the rest (joiners included)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     parser.add_argument("--json", action="store_true", help='print {"rounds": [...], "sim_seconds": S}')
 
@@ -81,6 +107,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.algorithm == ALLREDUCE:
         if args.task:
             raise ConfigError("--algorithm allreduce is a time model; use --model-size, not --task")
+        _check(
+            not (args.crash or args.join or args.partition),
+            "--crash/--join/--partition",
+            "--algorithm allreduce is a time model without faults; simulate a gossip algorithm",
+        )
         result = SimResult(
             ring_allreduce(scenario, scenario.model_bytes or DEFAULT_MODEL_BYTES), 0.0, {}, 0, {}
         )
@@ -90,6 +121,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(json.dumps(result.as_json()), file=out)
     else:
         _table(result, args, out)
+    _warn_after_the_end(scenario, result.rounds[-1].virtual_time_s)
     return 0
 
 
@@ -113,9 +145,74 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         link=Link(args.latency / 1000, args.bandwidth * 1e9 / 8),
         loss=args.loss,
         model_bytes=None if args.task else (args.model_size or DEFAULT_MODEL_BYTES),
+        crashes=_crashes(args),
+        joins=_joins(args),
+        partitions=_partitions(args),
         round_timeout=args.round_timeout,
         seed=args.seed,
     )
+
+
+def _crashes(args: argparse.Namespace) -> tuple[Crash, ...]:
+    waves = []
+    for text in args.crash:
+        fraction, at_s = _fault(text, "--crash", "@", "FRACTION@SECONDS", "0.1@2")
+        _check(
+            round(fraction * args.nodes) >= 1 and fraction <= 1,
+            "--crash",
+            f"{text!r}: FRACTION must be in [{1 / args.nodes:.3g}, 1] (one of {args.nodes} nodes at least)",
+        )
+        waves.append((fraction, at_s))
+    crashes = crash_waves(waves, args.nodes, args.seed)
+    _check(
+        len(crashes) < args.nodes, "--crash", f"together they crash all {args.nodes} nodes; leave one running"
+    )
+    return crashes
+
+
+def _joins(args: argparse.Namespace) -> list[float]:
+    joins = []
+    for text in args.join:
+        count, at_s = _fault(text, "--join", "@", "COUNT@SECONDS", "8@3")
+        _check(count >= 1 and count.is_integer(), "--join", f"{text!r}: COUNT must be a whole number >= 1")
+        joins += [at_s] * int(count)
+    return joins
+
+
+def _partitions(args: argparse.Namespace) -> list[Partition]:
+    partitions = []
+    for text in args.partition:
+        start, end = _fault(text, "--partition", ":", "START:END", "1:4")
+        _check(0 <= start < end, "--partition", f"{text!r}: need 0 <= START < END, e.g. 1:4 (healed at 4 s)")
+        _check(args.nodes >= 2, "--partition", "splits the nodes in two halves: needs --nodes >= 2")
+        partitions.append(split_in_halves(start, end, args.nodes))
+    return partitions
+
+
+def _fault(text: str, flag: str, separator: str, form: str, example: str) -> tuple[float, float]:
+    """A fault flag's two numbers; the second (a virtual time) must be >= 0."""
+    value, seconds = parse_pair(text, separator)
+    _check(
+        math.isfinite(value) and math.isfinite(seconds) and seconds >= 0,
+        flag,
+        f"{text!r}: expected {form} with virtual seconds >= 0, e.g. {example}",
+    )
+    return value, seconds
+
+
+def _warn_after_the_end(scenario: Scenario, end_s: float) -> None:
+    """Faults the run ended before did not happen: say so, and how to reach them."""
+    late = [
+        *(f"--crash at {crash.at_s:g} s" for crash in scenario.crashes if crash.at_s >= end_s),
+        *(f"--join at {at_s:g} s" for at_s in scenario.joins if at_s >= end_s),
+        *(f"--partition at {cut.start_s:g} s" for cut in scenario.partitions if cut.start_s >= end_s),
+    ]
+    if late:
+        print(
+            f"gossipmesh: warning: the run ended at {end_s:.3g} virtual s, before "
+            f"{', '.join(dict.fromkeys(late))}; raise --rounds to simulate that far",
+            file=sys.stderr,
+        )
 
 
 def _gossip(args: argparse.Namespace, scenario: Scenario) -> SimResult:
@@ -143,7 +240,7 @@ def _table(result: SimResult, args: argparse.Namespace, out: TextIO) -> None:
     shown = sorted({points[i * (len(points) - 1) // max(TABLE_ROWS - 1, 1)].round for i in range(TABLE_ROWS)})
     accuracy = any(p.accuracy is not None for p in points)
     print(
-        f"{'round':>6} {'consensus':>11} {'virtual s':>10} {'MB/node':>10}"
+        f"{'round':>6} {'consensus':>11} {'virtual s':>10} {'MB/node':>10} {'nodes':>6}"
         + ("  accuracy" if accuracy else ""),
         file=out,
     )
@@ -156,6 +253,6 @@ def _table(result: SimResult, args: argparse.Namespace, out: TextIO) -> None:
 def _row(point: RoundPoint, accuracy: bool) -> str:
     text = (
         f"{point.round:>6} {point.consensus_distance:>11.3e} {point.virtual_time_s:>10.3f} "
-        f"{point.bytes_per_node / 1e6:>10.1f}"
+        f"{point.bytes_per_node / 1e6:>10.1f} {point.nodes:>6}"
     )
     return text + (f"  {point.accuracy:8.3f}" if accuracy and point.accuracy is not None else "")

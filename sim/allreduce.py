@@ -21,6 +21,8 @@ def ring_allreduce(scenario: Scenario, model_bytes: int) -> list[RoundPoint]:
     slowest = scenario.compute.step_times(n, scenario.rounds, scenario.seed).max(axis=0)
     finished = np.cumsum(slowest + reduce_s)
     return [
-        RoundPoint(round=r, consensus_distance=0.0, virtual_time_s=float(t), bytes_per_node=share * (r + 1))
+        RoundPoint(
+            round=r, consensus_distance=0.0, virtual_time_s=float(t), bytes_per_node=share * (r + 1), nodes=n
+        )
         for r, t in enumerate(finished)
     ]

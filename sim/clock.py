@@ -1,18 +1,14 @@
 """Virtual time for real, blocking code: a conservative discrete-event scheduler.
 
-Each node's main loop runs in a greenlet (a coroutine with its own stack, so the algorithms'
-blocking calls need no change) and any thread the algorithm starts itself (AD-PSGD's exchanger)
-stays an OS thread. Only one of them runs at a time, and only the scheduler hands over: a
-simulated thread gives control back only where it would wait in a real mesh (a ``recv`` with
-nothing to read, a compute step), the scheduler resumes the next ready one, and only when none
-is ready does it advance the clock to the next event (a message arriving, a wait timing out).
-So virtual time moves only when every simulated thread is blocked, and a run is a deterministic
-function of its inputs and seeds. Switching greenlets costs about a microsecond, which is what
-makes thousands of nodes affordable; switching OS threads costs tens and depends on the load.
-
-A thread the simulated code starts is adopted at its first call into the clock (``enter``);
-before resuming anything the scheduler waits until every such newcomer has been adopted, so
-when it joins does not depend on the OS scheduler.
+Every simulated thread (a node's main loop, and the background work an algorithm asks its
+network for, such as AD-PSGD's exchanger) is a greenlet: a coroutine with its own stack, so the
+algorithms' blocking calls need no change. Only one runs at a time, and only the scheduler hands
+over: a simulated thread gives control back only where it would wait in a real mesh (a ``recv``
+with nothing to read, a compute step), the scheduler resumes the next ready one, and only when
+none is ready does it advance the clock to the next event (a message arriving, a wait timing
+out). So virtual time moves only when every simulated thread is blocked, and a run is a
+deterministic function of its inputs and seeds. Switching greenlets costs about a microsecond,
+which is what makes thousands of nodes affordable.
 """
 
 from __future__ import annotations
@@ -20,18 +16,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import greenlet
 
-ADOPT_POLL_S = 0.0005  # how often the scheduler looks for newcomers it is waiting for
-
 
 class Stopped(BaseException):
-    """Raised in a node's main loop at its next wait once the node has failed."""
+    """Raised in a failed node's simulated threads at their next wait."""
 
 
 class DeadlockError(RuntimeError):
@@ -40,40 +33,40 @@ class DeadlockError(RuntimeError):
 
 @dataclass(eq=False)
 class SimThread:
-    """A simulated thread (a node's main greenlet, or an adopted OS thread) and its wait state."""
+    """A simulated thread and its wait state; background work is a ``gossip.network.Background``."""
 
     name: str
     owner: str  # the node it belongs to
-    glet: greenlet.greenlet | None = None  # None: an adopted OS thread, resumed through ``go``
-    go: threading.Lock = field(default_factory=threading.Lock)  # held while the OS thread must wait
+    glet: greenlet.greenlet
+    clock: VirtualClock
     wait_id: int = 0  # bumped by every wait, so a stale wake-up (a timer after a message) is ignored
     waiting: bool = False
     woken_by: str = ""  # "timeout", "message", "notify" or "stop"
-    parked: bool = False  # its node failed: never resumed again
+    stopped: bool = False  # its node failed
 
-    def __post_init__(self) -> None:
-        self.go.acquire()
+    def join(self, timeout: float | None = None) -> None:
+        """Unwind the coroutine where it waits (its node's run is over); ``timeout`` is moot."""
+        if not self.clock.closed:
+            raise RuntimeError(
+                f"{self.name}: join simulated background work after VirtualClock.run has returned "
+                "(sim.run closes every averager then)"
+            )
+        if not self.glet.dead:
+            self.glet.throw()
 
 
 class VirtualClock:
-    """The scheduler; ``now`` is the virtual time in seconds. Create and run it in one thread."""
+    """The scheduler; ``now`` is the virtual time in seconds. Run it where it was created."""
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.closed = False  # after the run: waits return at once, threads run freely
+        self.closed = False  # after the run: the simulated code's waits return at once
         self._events: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = itertools.count()
         self._ready: deque[SimThread] = deque()
-        self._mains: dict[greenlet.greenlet, SimThread] = {}
-        self._threads: dict[int, SimThread] = {}  # adopted OS threads, by ident
+        self._threads: dict[greenlet.greenlet, SimThread] = {}
         self._live_mains = 0
-        self._outside = threading.active_count()  # OS threads that are not simulated
-        self._newcomers: list[tuple[int, SimThread]] = []
-        self._adopt = threading.Condition()
-        self._home = threading.get_ident()
         self._scheduler = greenlet.getcurrent()
-        self._back = threading.Lock()  # released by an OS thread that hands control back
-        self._back.acquire()
         self._failure: BaseException | None = None
 
     # -- events -------------------------------------------------------------------------------
@@ -90,7 +83,7 @@ class VirtualClock:
 
     def wake(self, thread: SimThread, wait_id: int, reason: str) -> bool:
         """Make a waiting thread ready, unless that wait already ended; True if it did."""
-        if not thread.waiting or thread.wait_id != wait_id or thread.parked:
+        if not thread.waiting or thread.wait_id != wait_id:
             return False
         thread.waiting = False
         thread.woken_by = reason
@@ -99,49 +92,40 @@ class VirtualClock:
 
     # -- simulated threads --------------------------------------------------------------------
 
-    def spawn(self, name: str, owner: str, target: Callable[[], None]) -> None:
-        """Add a node's main loop; it starts when the scheduler first resumes it."""
+    def spawn(self, name: str, owner: str, target: Callable[[], None], *, main: bool = True) -> SimThread:
+        """Add a simulated thread of node ``owner``, ready to start: its main loop, or background
+        work (``main=False``), which the run does not wait for."""
 
         def body() -> None:
             try:
                 target()
-            except Stopped:
+            except (Stopped, greenlet.GreenletExit):
                 pass
             except BaseException as exc:
                 self._failure = self._failure or exc
             finally:
-                self._live_mains -= 1
+                if main:
+                    self._live_mains -= 1
 
-        sim = SimThread(name, owner, greenlet.greenlet(body, parent=self._scheduler))
-        self._mains[sim.glet] = sim
-        self._live_mains += 1
+        sim = SimThread(name, owner, greenlet.greenlet(body, parent=self._scheduler), self)
+        self._threads[sim.glet] = sim
+        if main:
+            self._live_mains += 1
         self._ready.append(sim)
+        return sim
 
-    def enter(self, owner: str) -> SimThread | None:
-        """Called at every entry into the simulated network: the caller, adopting (and pausing
-        until resumed) an OS thread the simulated code started; None once the run is closed."""
+    def enter(self) -> SimThread | None:
+        """The simulated thread calling into the simulated network; None once the run is closed."""
         if self.closed:
             return None
-        ident = threading.get_ident()
-        if ident == self._home:
-            me = self._mains.get(greenlet.getcurrent())
-            if me is None:
-                raise RuntimeError("a simulated peer was called from outside the simulated nodes")
-            return me
-        if (me := self._threads.get(ident)) is not None:
-            return me
-        me = SimThread(threading.current_thread().name, owner)
-        with self._adopt:
-            if self.closed:
-                return None
-            self._newcomers.append((ident, me))
-            self._adopt.notify_all()
-        me.go.acquire()
-        return None if self.closed else me
+        me = self._threads.get(greenlet.getcurrent())
+        if me is None:
+            raise RuntimeError("a simulated peer was called from outside the simulated nodes")
+        return me
 
-    def sleep(self, owner: str, seconds: float) -> None:
+    def sleep(self, seconds: float) -> None:
         """Let ``seconds`` of virtual time pass for the caller."""
-        me = self.enter(owner)
+        me = self.enter()
         if me is None:
             return
         wait_id = self.begin_wait(me)
@@ -154,65 +138,44 @@ class VirtualClock:
         return me.wait_id
 
     def block(self, me: SimThread) -> str:
-        """Hand control to the scheduler until ``me`` is woken; returns why it was ("closed"
-        once the run is over). Raises Stopped in the main loop of a failed node."""
-        if me.glet is not None:
+        """Hand control to the scheduler until ``me`` is woken; returns why it was. Raises
+        Stopped once its node has failed."""
+        if not me.stopped:
             self._scheduler.switch()
-        else:
-            self._back.release()
-            me.go.acquire()
-        if self.closed:
-            return "closed"
-        if me.woken_by == "stop":
+        if me.stopped:
             raise Stopped
         return me.woken_by
 
     def stop_node(self, owner: str) -> None:
-        """The node failed: its main loop unwinds at its next wait, its other threads are never
-        resumed (they end when the run is closed)."""
-        for sim in self._mains.values():
-            if sim.owner == owner and not self.wake(sim, sim.wait_id, "stop"):
-                sim.woken_by = "stop"
+        """The node failed: each of its simulated threads unwinds at its next wait (now, if it
+        is waiting)."""
         for sim in self._threads.values():
             if sim.owner == owner:
-                sim.parked = True
-                if sim in self._ready:
-                    self._ready.remove(sim)
+                sim.stopped = True
+                self.wake(sim, sim.wait_id, "stop")
 
     # -- running ------------------------------------------------------------------------------
 
     def run(self) -> None:
         """Run until every main loop has finished, then close. Re-raises a loop's error."""
-        if threading.get_ident() != self._home:
-            raise RuntimeError("run a VirtualClock in the thread that created it")
+        if greenlet.getcurrent() is not self._scheduler:
+            raise RuntimeError("run a VirtualClock in the thread (and greenlet) that created it")
         try:
             while (sim := self._next()) is not None:
-                if sim.glet is not None:
-                    sim.glet.switch()
-                else:
-                    sim.go.release()
-                    self._back.acquire()
+                sim.glet.switch()
         finally:
             self.close()
         if self._failure is not None:
             raise self._failure
 
     def close(self) -> None:
-        """Release every adopted thread: from now on waits return at once."""
-        with self._adopt:
-            if self.closed:
-                return
-            self.closed = True
-            for sim in [*self._threads.values(), *(s for _, s in self._newcomers)]:
-                if sim.go.locked():
-                    sim.go.release()
-            self._newcomers.clear()
+        """End the run: from now on waits return at once (join background work to unwind it)."""
+        self.closed = True
 
     def _next(self) -> SimThread | None:
         """The next thread to resume, advancing the clock through events until one is ready;
         None when the run is over (every main loop finished, an error, or a deadlock)."""
         while self._failure is None:
-            self._adopt_newcomers()
             if self._ready:
                 return self._ready.popleft()
             if self._live_mains == 0:
@@ -225,16 +188,3 @@ class VirtualClock:
             self.now, _, action = heapq.heappop(self._events)
             action()
         return None
-
-    def _adopt_newcomers(self) -> None:
-        """Wait until every OS thread the simulated code started has entered the clock (or
-        ended), then queue the newcomers in name order."""
-        if threading.active_count() <= self._outside + len(self._threads) and not self._newcomers:
-            return
-        with self._adopt:
-            while threading.active_count() > self._outside + len(self._threads) + len(self._newcomers):
-                self._adopt.wait(ADOPT_POLL_S)
-            for ident, sim in sorted(self._newcomers, key=lambda pair: pair[1].name):
-                self._threads[ident] = sim
-                self._ready.append(sim)
-            self._newcomers.clear()

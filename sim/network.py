@@ -6,15 +6,16 @@ and a node sending to many neighbours pays for each copy. Downlinks are not mode
 exact, as on the in-memory network (``p2p.memory.Roster``), except that a crashed node stays a
 member until the others would have detected it (``detect_s``).
 
-Every entry point first enters the clock (``VirtualClock.enter``), so the caller holds the baton:
-sends, loss draws and deliveries happen in one deterministic order.
+Only one simulated thread runs at a time (``sim.clock``), so sends, loss draws and deliveries
+happen in one deterministic order. A node's background work (AD-PSGD's exchanger) is a
+coroutine on the clock too, and stops with its node.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,15 +142,12 @@ class VirtualPeer:
         return self._node_id
 
     def now(self) -> float:
-        self.clock.enter(self._node_id)
         return self.clock.now
 
     def members(self, round: int | None = None) -> frozenset[str]:
-        self.clock.enter(self._node_id)
         return self.network.roster.members(round)
 
     def start_at_round(self, first_round: int) -> None:
-        self.clock.enter(self._node_id)
         self.network.roster.start_at_round(self._node_id, first_round)
         self.network.notify_all()
 
@@ -164,7 +162,7 @@ class VirtualPeer:
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        if self.clock.enter(self._node_id) is None or not self.alive:
+        if self.clock.enter() is None or not self.alive:
             return
         message = Message(kind, self._node_id, round, tuple(read_only(t) for t in tensors), meta or {})
         nbytes = math.ceil(sum(t.nbytes for t in tensors) * self.network.byte_scale)
@@ -172,7 +170,7 @@ class VirtualPeer:
         self.network.transmit(self, to, message, nbytes)
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
-        me = self.clock.enter(self._node_id)
+        me = self.clock.enter()
         message = self._take(kinds)
         if message is not None or me is None or timeout <= 0:
             return message
@@ -201,7 +199,11 @@ class VirtualPeer:
 
     def compute(self, seconds: float) -> None:
         """A local step that takes ``seconds`` of virtual time."""
-        self.clock.sleep(self._node_id, seconds)
+        self.clock.sleep(seconds)
+
+    def start_background(self, name: str, target: Callable[[], None]) -> SimThread:
+        """A coroutine of this node on the clock, ready to run; it stops when the node fails."""
+        return self.clock.spawn(name, self._node_id, target, main=False)
 
     def _take(self, kinds: Collection[str] | None) -> Message | None:
         for index, message in enumerate(self._inbox):

@@ -1,16 +1,17 @@
-"""Run a simulated mesh: every node is the real averager on a virtual peer, one thread each.
+"""Run a simulated mesh: every node is the real averager on a virtual peer, in a greenlet.
 
 A node's main loop is the daemon's in miniature: a local step (``compute`` of virtual time, then
 the workload's step, which runs the algorithm's ``after_step``), recorded after each one. Faults
 (crashes, joins) are clock events. The figures per round are those of the mesh report:
 the consensus distance of the nodes' models after that round, when the last node finished it
-(virtual seconds), and the bytes each node had sent by then on average.
+(virtual seconds), the bytes each node had sent by then on average, and how many nodes did.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,12 +22,13 @@ import numpy as np
 from gossip import Algorithm, Averager, Codec, consensus_distance
 from sim.clock import VirtualClock
 from sim.network import VirtualNetwork, VirtualPeer
-from sim.scenario import Scenario
+from sim.scenario import Scenario, node_id
 from topologies import Topology, member_order
 
 VECTOR_SIZE = 32  # elements of a pure-averaging node's vector (float64)
 START_MEAN = 1.0  # start vectors are N(START_MEAN, 1): a non-zero mean keeps the distance defined
 JOIN_AHEAD_ROUNDS = 2  # a joiner starts this many rounds after the furthest live node
+EIGEN_TOLERANCE = 1e-9  # eigenvalues this close are one (the slowest mode's eigenspace)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class RoundPoint:
     consensus_distance: float
     virtual_time_s: float
     bytes_per_node: float
+    nodes: int  # how many nodes finished this round (crashed ones stop counting, joiners start)
     accuracy: float | None = None  # mean held-out accuracy of the nodes (training workloads)
 
     def as_json(self) -> dict[str, float]:
@@ -79,6 +82,21 @@ def start_vectors(nodes: int, seed: int, size: int = VECTOR_SIZE) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((nodes, size)) + START_MEAN
 
 
+def slowest_mode_vectors(weights: np.ndarray, seed: int, size: int = VECTOR_SIZE) -> np.ndarray:
+    """Start vectors whose disagreement lies in the slowest eigenspace of a symmetric mixing
+    matrix: it contracts by exactly |lambda_2| from the first round on, which a random start only
+    approaches once its faster modes have died out (~n^2 rounds on a ring, ~50 rounds on an
+    exponential graph of 1,024 nodes)."""
+    if not np.allclose(weights, weights.T):
+        raise ValueError("slowest_mode_vectors needs the symmetric weights of an undirected graph")
+    n = len(weights)
+    values, modes = np.linalg.eigh(weights - np.full((n, n), 1.0 / n))
+    slowest = values[np.argmax(np.abs(values))]
+    space = modes[:, np.abs(values - slowest) < EIGEN_TOLERANCE]  # a cosine and a sine on a ring
+    mix = np.random.default_rng(seed).standard_normal((space.shape[1], size))
+    return START_MEAN + math.sqrt(n) * space @ mix
+
+
 def averaging(
     vectors: np.ndarray, algorithm: Algorithm, topology: Topology, round_timeout: float, codec: Codec
 ) -> NodeFactory:
@@ -121,13 +139,13 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
     step_ends: dict[str, list[float]] = {}
 
     def launch(index: int, first_round: int, start: np.ndarray | None) -> None:
-        node_id = f"node-{index}"
-        peer = network.join(node_id, first_round)
+        name = node_id(index)
+        peer = network.join(name, first_round)
         ends: list[float] = []
-        step_ends[node_id] = ends
+        step_ends[name] = ends
 
         def main() -> None:
-            node = nodes[node_id] = build(peer, index, start)
+            node = nodes[name] = build(peer, index, start)
             if first_round:
                 node.averager.restart(first_round)
             for r in range(first_round, scenario.rounds):
@@ -137,18 +155,21 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
                 history[r].append((node.params.copy(), peer.bytes_sent, clock.now, accuracy))
                 ends.append(clock.now)
 
-        clock.spawn(node_id, node_id, main)
+        clock.spawn(name, name, main)
 
     def crash(index: int) -> None:
-        node_id = f"node-{index}"
-        last_round = nodes[node_id].averager.round - 1 if node_id in nodes else -1
-        network.crash(node_id, last_round, scenario.detect_s)
+        name = node_id(index)
+        last_round = nodes[name].averager.round - 1 if name in nodes else -1
+        network.crash(name, last_round, scenario.detect_s)
 
     def join(index: int) -> None:
         live = [n for n in member_order(network.roster.members()) if network.peers[n].alive and n in nodes]
         if not live:
             return
-        first_round = max(nodes[n].averager.round for n in live) + JOIN_AHEAD_ROUNDS
+        # the furthest node that has taken a step: one that joined a moment ago waits at its
+        # first round, and counting it would start each of a batch of joiners further ahead
+        furthest = max((nodes[n].averager.round for n in live if step_ends[n]), default=0)
+        first_round = furthest + JOIN_AHEAD_ROUNDS
         launch(index, first_round, nodes[live[0]].params.copy())
 
     for index in range(scenario.nodes):
@@ -164,7 +185,7 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
         for node in nodes.values():
             node.averager.close()
     points = [_point(r, history[r]) for r in sorted(history)]
-    final = {node_id: node.params.copy() for node_id, node in nodes.items()}
+    final = {name: node.params.copy() for name, node in nodes.items()}
     lost = sum(peer.messages_lost for peer in network.peers.values())
     return SimResult(points, time.perf_counter() - started, final, lost, step_ends)
 
@@ -176,5 +197,6 @@ def _point(r: int, records: list[tuple[np.ndarray, int, float, float | None]]) -
         consensus_distance=consensus_distance([params for params, _, _, _ in records]),
         virtual_time_s=float(max(t for _, _, t, _ in records)),
         bytes_per_node=float(np.mean([b for _, b, _, _ in records])),
+        nodes=len(records),
         accuracy=float(np.mean(accuracies)) if accuracies else None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -9,7 +10,25 @@ import numpy as np
 
 from sim.network import Link, Partition
 
-STEP_STREAM, STRAGGLER_STREAM = 2, 3  # seed streams (the network's loss draws use 1)
+STEP_STREAM, STRAGGLER_STREAM, CRASH_STREAM = 2, 3, 4  # seed streams (the network's loss draws use 1)
+
+
+def node_id(index: int) -> str:
+    """Simulated node ``index``'s id: ``node-0``, ``node-1``... (joiners continue the count)."""
+    return f"node-{index}"
+
+
+def parse_pair(text: str, separator: str) -> tuple[float, float]:
+    """``A<separator>B`` as two floats; NaN for a part that is missing or not a number."""
+    first, found, second = text.partition(separator)
+    return _number(first), _number(second) if found else math.nan
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 @dataclass(frozen=True)
@@ -22,11 +41,7 @@ class Stragglers:
     @classmethod
     def parse(cls, text: str) -> Stragglers:
         """``FRACTION:FACTOR``, e.g. ``0.05:4`` (5% of the nodes 4x slower)."""
-        fraction, _, factor = text.partition(":")
-        try:
-            value = cls(float(fraction), float(factor or "nan"))
-        except ValueError:
-            value = cls(float("nan"), float("nan"))
+        value = cls(*parse_pair(text, ":"))
         if not (0 <= value.fraction <= 1 and value.factor >= 1):
             raise ValueError(
                 f"stragglers {text!r}: expected FRACTION:FACTOR with FRACTION in [0, 1] and "
@@ -66,10 +81,27 @@ class Crash:
     at_s: float
 
 
+def crash_waves(waves: Sequence[tuple[float, float]], nodes: int, seed: int) -> tuple[Crash, ...]:
+    """For each (fraction, at_s): that fraction of the ``nodes`` starting nodes crash at ``at_s``;
+    the nodes are drawn with the seed, and no node crashes twice."""
+    order = np.random.default_rng([seed, CRASH_STREAM]).permutation(nodes)
+    crashes: list[Crash] = []
+    for fraction, at_s in waves:
+        count = round(fraction * nodes)
+        crashes += [Crash(int(node), at_s) for node in order[len(crashes) : len(crashes) + count]]
+    return tuple(crashes)
+
+
+def split_in_halves(start_s: float, end_s: float, nodes: int) -> Partition:
+    """From ``start_s`` to ``end_s``, nodes ``0 .. nodes/2 - 1`` on one side, the rest (joiners
+    included) on the other."""
+    return Partition(start_s, end_s, frozenset(node_id(i) for i in range(nodes // 2)))
+
+
 @dataclass(frozen=True)
 class Scenario:
     """Args:
-    nodes: the nodes at the start (``node-0`` ... ``node-{nodes-1}``).
+    nodes: the nodes at the start (``node_id``: ``node-0`` ... ``node-{nodes-1}``).
     rounds: local steps per node (one gossip round each for the synchronous algorithms).
     compute: step times.
     link: every link's latency and bandwidth, unless ``links`` names the (sender, receiver) pair.
