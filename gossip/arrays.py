@@ -12,6 +12,7 @@ function untouched, so on the CPU the seam costs nothing. cupy is optional
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -46,6 +47,18 @@ def from_torch(tensor: torch.Tensor) -> Array:
             f"a model on {tensor.device} needs cupy: pip install 'gossipmesh[gpu]' (cupy-cuda12x)"
         ) from None
     return cupy.from_dlpack(tensor.detach())
+
+
+def shares_memory(tensor: torch.Tensor) -> bool:
+    """Whether :func:`from_torch` can hand out the tensor's memory here: a CPU tensor, or one on
+    the first CUDA device with cupy installed (cupy's kernels run on its current device, 0)."""
+    if tensor.device.type == "cpu":
+        return True
+    return (
+        tensor.device.type == "cuda"
+        and not tensor.device.index
+        and importlib.util.find_spec("cupy") is not None
+    )
 
 
 def to_torch(array: Array) -> torch.Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from gossip.algorithms import Algorithm
+from gossip.arrays import from_torch, shares_memory
 from gossip.averager import RoundStats
 from gossip.compression import Codec, parse_codec
 from gossip.consensus import relative_distance
@@ -59,7 +60,9 @@ class GossipOptimizer:
             dpsgd only; None: the plain weighted mean.
         staged: mix a host copy of the parameters, copied from the device before a round and
             back after it (before and after every step with a background exchanger); None: when
-            the model is not on the CPU (see ``gossip.flat``).
+            the model is not on the CPU (see ``gossip.flat``). CHOCO without an outer step
+            mixes the model's own memory instead (``mixes_in_place``: cupy kernels on a CUDA
+            device, see ``gossip.arrays``), falling back to the host copy without cupy.
     """
 
     def __init__(
@@ -97,9 +100,14 @@ class GossipOptimizer:
             topology if isinstance(topology, Topology) else Topology.parse(topology or spec.default_topology)
         )
         codec = compression if isinstance(compression, Codec) else parse_codec(compression)
+        # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
+        # device, only the encoded frames staged); the outer step and the others need the host copy
+        self.mixes_in_place = (
+            self.flat.staged and spec.compresses and outer_lr is None and shares_memory(self.flat.tensor)
+        )
         self.averager = spec.build(
             TimedPeer(peer, self.phases),
-            self.flat.array,
+            from_torch(self.flat.tensor) if self.mixes_in_place else self.flat.array,
             topology=graph,
             round_timeout=round_timeout,
             lock=lock,
@@ -125,9 +133,10 @@ class GossipOptimizer:
             loss = self.optimizer.step(closure)
             self.local_steps += 1
             round_due = self.local_steps % self.average_every == 0
-            if round_due or background:
+            sampled = self.local_steps % (self.average_every * CONSENSUS_EVERY) == 0
+            if sampled or ((round_due or background) and not self.mixes_in_place):
                 self.flat.copy_to_host()
-            if self.local_steps % (self.average_every * CONSENSUS_EVERY) == 0:
+            if sampled:
                 self._before_mixing = self.flat.array.copy()
         if round_due:
             with self.phases.round():
@@ -152,12 +161,14 @@ class GossipOptimizer:
         with self._lock:
             if outer is not None:
                 outer.step(params)
-            self.flat.copy_to_device()
+            if not self.mixes_in_place:
+                self.flat.copy_to_device()
 
     def _estimate_consensus(self) -> None:
         """Before a local step: how far mixing (in the round, or in the background since) moved
         the model from its copy taken after the last sampled local step."""
         if self._before_mixing is not None:
+            self.flat.copy_to_host()  # (the device has the newest parameters now, in every mode)
             self.consensus_estimate = relative_distance(self.flat.array, self._before_mixing)
             self._before_mixing = None
 

@@ -91,6 +91,29 @@ def test_a_staged_node_trains_exactly_as_a_host_node(options: dict[str, object])
     none: the staged copies move exactly what mixing reads and writes."""
     plain = _train_pair((False, False), algorithm="dpsgd", steps=24, **options)
     mixed = _train_pair((True, False), algorithm="dpsgd", steps=24, **options)
+    _assert_same(mixed, plain)
+
+
+def test_staged_choco_mixes_the_models_own_memory_and_trains_exactly_as_a_host_node() -> None:
+    """CHOCO on a staged model works on the model's memory through the array seam (cupy kernels
+    on a GPU); only what else reads the parameters goes through the host copy."""
+    network = MemoryNetwork()
+    staged = {
+        name: GossipOptimizer(
+            torch.optim.SGD(_model(0).parameters(), lr=0.1),
+            peer=network.join(name),
+            algorithm=name,
+            staged=True,
+        )
+        for name in ("choco", "dpsgd")
+    }
+    assert staged["choco"].mixes_in_place and not staged["dpsgd"].mixes_in_place
+    plain = _train_pair((False, False), algorithm="choco", steps=30, compression="int8")
+    mixed = _train_pair((True, True), algorithm="choco", steps=30, compression="int8")
+    _assert_same(mixed, plain)
+
+
+def _assert_same(mixed: list[np.ndarray], plain: list[np.ndarray]) -> None:
     for ours, theirs in zip(mixed, plain, strict=True):
         np.testing.assert_array_equal(ours, theirs)
     assert not np.array_equal(plain[0], _model_array(0))  # it trained
