@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers bench-fuzz clean
+.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers bench-fuzz gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -36,6 +36,12 @@ bench-membership: venv
 
 bench-stragglers: venv
 	$(BIN)/python bench/stragglers.py
+
+# On a machine with an NVIDIA GPU: make gpu-check TORCH_SPEC="torch --index-url ..."
+gpu-check: venv
+	$(BIN)/python -m pip install --quiet -e ".[gpu]"
+	$(BIN)/python bench/gpu_check.py
+	$(BIN)/python bench/gpu_codec.py
 
 bench-fuzz: venv
 	$(BIN)/python bench/fuzz_wire.py --seconds 600

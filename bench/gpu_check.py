@@ -5,7 +5,9 @@
 
 1. Mixing through the pinned host copy: a node on the device and a node on the CPU averaging
    (D-PSGD, lr 0) on an in-memory network keep the exact mean of their models and meet.
-2. A real mesh of 3 daemons with node 0 on the device trains every node to the target accuracy.
+2. A real mesh of 3 daemons with node 0 on the device trains every node to the target accuracy:
+   with D-PSGD (mixing the pinned host copy) and with CHOCO int8 (mixing on the device itself
+   when cupy is installed; see ``bench/gpu_codec.py`` for the codecs alone).
 3. Copy throughput between the device and the pinned host copy (GB/s), per model size.
 """
 
@@ -25,6 +27,7 @@ from p2p.memory import MemoryNetwork
 
 TARGET = 0.93
 SIZES = (10**6, 10**7, 10**8)
+MESHES = {"dpsgd": [], "choco int8": ["--algorithm", "choco", "--compression", "int8"]}
 
 
 def check_mixing(device: str, rounds: int = 40) -> tuple[float, float]:
@@ -55,8 +58,10 @@ def check_mixing(device: str, rounds: int = 40) -> tuple[float, float]:
     return error, float(np.abs(finals[0] - finals[1]).max())
 
 
-def check_mesh(device: str) -> list[float]:
-    report = quiet_mesh(["--nodes", "3", "--steps", "400", "--insecure", "--node-device", f"0:{device}"])
+def check_mesh(device: str, flags: list[str]) -> list[float]:
+    report = quiet_mesh(
+        ["--nodes", "3", "--steps", "400", "--insecure", "--node-device", f"0:{device}", *flags]
+    )
     devices = [n["device"] for n in report["nodes"]]
     if devices[0] != device:
         raise RuntimeError(f"node 0 trained on {devices[0]}, not {device}")
@@ -94,11 +99,14 @@ def main() -> int:
     ok = error < 1e-6 and gap < 1e-6
     failures += not ok
     print(f"mixing {device} with cpu: mean error {error:.2e}, gap {gap:.2e}  {'ok' if ok else 'FAILED'}")
-    accuracies = check_mesh(device)
-    ok = min(accuracies) >= TARGET
-    failures += not ok
-    shown = ", ".join(f"{a:.3f}" for a in accuracies)
-    print(f"mesh, node 0 on {device}: accuracy {shown} (target {TARGET})  {'ok' if ok else 'FAILED'}")
+    for name, flags in MESHES.items():
+        accuracies = check_mesh(device, flags)
+        ok = min(accuracies) >= TARGET
+        failures += not ok
+        shown = ", ".join(f"{a:.3f}" for a in accuracies)
+        print(
+            f"{name} mesh, node 0 on {device}: accuracy {shown} (target {TARGET})  {'ok' if ok else 'FAILED'}"
+        )
     print(f"\n| float32s | {device} -> host copy GB/s | host copy -> {device} GB/s |\n|---|---|---|")
     for size in SIZES:
         down, up = copy_throughput(device, size)

@@ -26,6 +26,7 @@ REQUEST = "state_request"
 CHUNK = "state_chunk"
 KINDS = (CHUNK,)
 CHUNK_BYTES = 1 << 20
+RETRY_S = 3.0  # a transfer with no chunk for this long is asked for again (a lost request or answer)
 _DTYPES = ("float16", "float32", "float64", "int64")
 
 
@@ -76,21 +77,35 @@ def send_snapshot(peer: PeerNetwork, to: str, transfer: int, snapshot: Snapshot,
 
 
 def fetch_snapshot(
-    peer: PeerNetwork, source: str, *, timeout: float, max_bytes: int, chunk_bytes: int = CHUNK_BYTES
+    peer: PeerNetwork,
+    source: str,
+    *,
+    timeout: float,
+    max_bytes: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    retry_s: float = RETRY_S,
 ) -> Snapshot:
-    """Ask ``source`` for its state and reassemble it; raises StateTransferError."""
-    transfer = secrets.randbits(62)
-    peer.send(source, REQUEST, 0, meta={"transfer": transfer})
+    """Ask ``source`` for its state and reassemble it; raises StateTransferError.
+
+    A transfer that stalls for ``retry_s`` (a request or chunk lost, e.g. to a connection the
+    source still had to this node's previous incarnation) is asked for again under a new id,
+    and chunks of the earlier one are ignored from then on."""
     deadline = time.monotonic() + timeout
     assembly: _Assembly | None = None
+    transfer, stalls_at = 0, -math.inf
     while assembly is None or not assembly.complete:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        now = time.monotonic()
+        if now >= deadline:
             got = "nothing" if assembly is None else f"{assembly.received} of {assembly.count} chunks"
             raise StateTransferError(f"state from {source}: {got} within {timeout:g} s")
-        message = peer.recv(remaining, KINDS)
+        if now >= stalls_at:
+            transfer, assembly = secrets.randbits(62), None
+            peer.send(source, REQUEST, 0, meta={"transfer": transfer})
+            stalls_at = now + retry_s
+        message = peer.recv(min(deadline, stalls_at) - now, KINDS)
         if message is None or message.sender != source or message.meta.get("transfer") != transfer:
             continue
+        stalls_at = time.monotonic() + retry_s
         meta = message.meta
         if assembly is None:
             assembly = _Assembly.start(meta, max_bytes, chunk_bytes, source)

@@ -14,7 +14,14 @@ from helpers import started_peers
 
 from gossip import GossipOptimizer
 from gossip.network import PeerNetwork
-from gossip.state import STATE_VERSION, Snapshot, StateTransferError, fetch_snapshot, serve_requests
+from gossip.state import (
+    STATE_VERSION,
+    Snapshot,
+    StateTransferError,
+    fetch_snapshot,
+    send_snapshot,
+    serve_requests,
+)
 from p2p.memory import MemoryNetwork
 
 CHUNK = 300
@@ -91,6 +98,36 @@ def test_a_wrong_version_is_refused() -> None:
     ):
         fetch_snapshot(newcomer, "server", timeout=5, max_bytes=1 << 20)
     thread.join()
+
+
+def test_a_lost_request_is_asked_again_and_a_stale_answer_ignored() -> None:
+    """The source misses the first request (its answer is lost on the way, say); the newcomer
+    asks again and takes only the answer to its newest request, even when the first one's
+    chunks turn up late."""
+    network = MemoryNetwork()
+    server, newcomer = network.join("server"), network.join("newcomer")
+    params = np.arange(1000, dtype=np.float32)
+    requests = []
+
+    def lose_the_first_answer_then_serve() -> None:
+        first = server.recv(5, ("state_request",))
+        assert first is not None
+        requests.append(first.meta["transfer"])
+        second = server.recv(5, ("state_request",))
+        assert second is not None
+        requests.append(second.meta["transfer"])
+        late = Snapshot({"params": np.zeros(1000, np.float32)}, {"round": 1})
+        send_snapshot(server, "newcomer", first.meta["transfer"], late, CHUNK)  # the lost one, late
+        send_snapshot(server, "newcomer", second.meta["transfer"], Snapshot({"params": params}, {}), CHUNK)
+
+    thread = threading.Thread(target=lose_the_first_answer_then_serve)
+    thread.start()
+    snapshot = fetch_snapshot(
+        newcomer, "server", timeout=5, max_bytes=1 << 20, chunk_bytes=CHUNK, retry_s=0.2
+    )
+    thread.join()
+    assert len(set(requests)) == 2
+    np.testing.assert_array_equal(snapshot.tensors["params"], params)
 
 
 def test_fetch_from_a_silent_member_times_out_clearly() -> None:
