@@ -112,7 +112,10 @@ class Peer:
                 return
             if time.monotonic() >= deadline:
                 raise TransportError(self._not_ready(timeout, expect, round))
-            self.membership.joined.wait(0.05)
+            if self.membership.joined.is_set():  # (a set event returns at once: no busy loop,
+                time.sleep(0.05)  # which starved the network and ZAP threads of the GIL)
+            else:
+                self.membership.joined.wait(0.05)
 
     def now(self) -> float:
         return time.monotonic()
