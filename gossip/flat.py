@@ -57,10 +57,6 @@ class FlatParameters:
         self.copy_to_host()
 
     @property
-    def device(self) -> torch.device:
-        return self.tensor.device
-
-    @property
     def array(self) -> np.ndarray:
         """The parameters as a host numpy array: the model's own memory, or its host copy
         (as of the last :meth:`copy_to_host`) when staged."""
