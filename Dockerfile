@@ -18,8 +18,7 @@ COPY pyproject.toml README.md node.py ./
 COPY p2p p2p
 COPY gossip gossip
 COPY topologies topologies
-COPY tasks tasks
-COPY runtime runtime
+COPY gossipmesh gossipmesh
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS base

@@ -1,14 +1,13 @@
-"""The gossipmesh daemon and command line.
+"""The gossipmesh daemon: config -> wiring (peer, task, model, trainer) -> training loop ->
+graceful stop (leave the mesh, write the report); and the ``gossipmesh`` console entry point.
 
-``gossipmesh node`` runs one daemon: config -> wiring (peer, task, model, gossip optimizer) ->
-training loop -> graceful stop (leave the mesh, write the report). ``gossipmesh mesh`` runs a
-local test mesh of daemons as separate processes; ``gossipmesh keygen DIR`` makes a node's
-CURVE key pair. ``python node.py ...`` is ``gossipmesh ...``.
+``gossipmesh node`` runs :func:`run_node`; the other commands (``mesh``, ``simulate``,
+``topology``, ``report``, ``keygen``) are ``gossipmesh.cli``'s. ``python node.py ...`` is
+``gossipmesh ...``.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -16,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -26,32 +24,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from p2p import AddressError, Peer, TransportError
+from gossipmesh import logs
+from gossipmesh.cli import main as cli_main
+from gossipmesh.cli.main import USER_ERRORS
+from gossipmesh.config import NodeConfig, summary
+from gossipmesh.console import emit, say
+from gossipmesh.daemon.checkpoint import load_newest
+from gossipmesh.daemon.metrics import NodeMetrics
+from gossipmesh.daemon.peers import default_id, make_peer
+from gossipmesh.daemon.status_server import StatusServer
+from gossipmesh.daemon.trainer import Trainer
+from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_json
+from p2p import Peer
 from p2p.membership import NOT_YET
-from p2p.security import SecurityError, insecure_warning, keygen
-from runtime import logs, report_view, simulate, topology_view
-from runtime.checkpoint import load_newest
-from runtime.config import (
-    ConfigError,
-    MeshConfig,
-    NodeConfig,
-    add_arguments,
-    parse_args_into,
-    summary,
-)
-from runtime.console import emit, say
-from runtime.launcher import run_mesh
-from runtime.metrics import NodeMetrics
-from runtime.peers import default_id, default_name, make_peer
-from runtime.report import NodeRecord, build_report, read_json, write_json
-from runtime.status_server import StatusServer, StatusServerError
-from runtime.trainer import Trainer
-from tasks import load_task
-from topologies import NAMES, TopologyError, analyze, member_order
+from p2p.security import insecure_warning
+from topologies import member_order
 
 log = logging.getLogger(logs.NODE_LOGGER)
-# what a user must fix (the message says how), reported without a traceback
-USER_ERRORS = (AddressError, TransportError, TopologyError, StatusServerError, SecurityError)
 
 
 def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
@@ -69,7 +58,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    task = load_task(config.task)
+    task = config.task.make()
     model = task.model(config.seed).to(config.device)
     node_id = config.id or default_id(config.listen)
     if config.insecure:
@@ -90,13 +79,15 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
     metrics.peer = peer
     status: StatusServer | None = None
+    trainer: Trainer | None = None
+    rank, outcome, error = -1, "failed", None
+    when: dict[str, Any] = {}  # resumed_from, t_joined
 
     def cancelled() -> bool:
         metrics.beat()  # waiting for peers is the daemon's loop making progress
         return stop.is_set()
 
     peer.start()
-    record = NodeRecord(id=node_id, rank=-1, address=peer.address, device=config.device)
     started = time.monotonic()
     try:
         say(
@@ -107,26 +98,25 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
         peer.wait_ready(config.startup_timeout, expect=expect, cancelled=cancelled)
         ordered = member_order(peer.members())
-        record.rank = ordered.index(node_id)
+        rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
-        emit(config.progress, {"event": "ready", "id": node_id, "rank": record.rank, "members": ordered})
-        trainer = Trainer(config, task, model, peer, record, clock, metrics)
+        emit(config.progress, {"event": "ready", "id": node_id, "rank": rank, "members": ordered})
+        trainer = Trainer(config, task, model, peer, rank, clock, metrics)
         if checkpoint is not None:
             trainer.resume(checkpoint)
-            record.resumed_from = str(checkpoint.path)
-            say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {record.steps})")
+            when["resumed_from"] = str(checkpoint.path)
+            say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {trainer.steps})")
         if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
             trainer.join_running_mesh()
-            record.t_joined = round(clock(), 3)
+            when["t_joined"] = round(clock(), 3)
         elif announces_later:
             peer.start_at_round(0)
             peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
         if not stop.is_set():
             trainer.run(stop)
-        record.status = "finished"
+        outcome = "finished"
     except Exception as exc:
-        record.status = "failed"
-        record.error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, USER_ERRORS):
             raise
         log.exception("training failed")
@@ -135,29 +125,24 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         peer.close()
         if status is not None:
             status.close()
-        _count_network(record, peer)
-        _save(config, record, model, peer.membership.events, time.monotonic() - started)
+        record = node_record(
+            id=node_id,
+            rank=rank,
+            address=peer.address,
+            status=outcome,
+            device=config.device,
+            progress=trainer.progress if trainer is not None else Progress(),
+            gossip=trainer.optimizer.statistics() if trainer is not None else None,
+            network=peer.stats,
+            error=error,
+            **when,
+        )
+        _save(config, record, model, peer, time.monotonic() - started)
     return record
 
 
-def _count_network(record: NodeRecord, peer: Peer) -> None:
-    """Add the transport's counters to the algorithm's (already in the record)."""
-    stats = peer.stats
-    record.bytes_sent = stats.bytes_sent
-    record.bytes_received = stats.bytes_received
-    record.rejected_by_reason = dict(Counter(record.rejected_by_reason) + stats.rejected)
-    record.messages_rejected = sum(record.rejected_by_reason.values())
-    record.dropped_by_reason = dict(Counter(record.dropped_by_reason) + stats.dropped)
-    record.rejected_by_peer = {peer: dict(reasons) for peer, reasons in stats.rejected_by_peer.items()}
-    record.shunned_peers = sorted(stats.rejections.shunned_peers)
-
-
 def _save(
-    config: NodeConfig,
-    record: NodeRecord,
-    model: torch.nn.Module,
-    events: list[dict[str, Any]],
-    wall_time_s: float,
+    config: NodeConfig, record: NodeRecord, model: torch.nn.Module, peer: Peer, wall_time_s: float
 ) -> None:
     if config.save_params is not None:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
@@ -168,7 +153,7 @@ def _save(
             config=summary(config),
             nodes=[asdict(record)],
             consensus_distance=0.0,
-            membership_events=events,
+            membership_events=peer.membership.events,
         )
         write_json(config.report, report)
 
@@ -186,132 +171,13 @@ def _save_array(path: Path, array: np.ndarray) -> None:
 # -- command line ---------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gossipmesh",
-        description="Decentralized peer-to-peer training: gossip averaging over ZeroMQ.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    node = commands.add_parser(
-        "node",
-        help="run one daemon",
-        description="Run one node daemon. Every option can also come from --config FILE.toml "
-        "or a GOSSIPMESH_<OPTION> environment variable (flags win).",
-    )
-    add_arguments(node, NodeConfig)
-    mesh = commands.add_parser(
-        "mesh",
-        help="run a local test mesh of daemons on 127.0.0.1",
-        description="Start N daemons as separate processes on 127.0.0.1, show a live table, write a report.",
-    )
-    add_arguments(mesh, MeshConfig)
-    report = commands.add_parser(
-        "report",
-        help="summarize a run report and plot it",
-        description="Print where each node's time went and plot loss, accuracy, consensus distance "
-        "and bytes/s against wall time, with kills, joins and pauses marked.",
-    )
-    report.add_argument("run", type=Path, metavar="RUN.json", help="a report of gossipmesh mesh or node")
-    report.add_argument(
-        "--png", type=Path, metavar="FILE", help="the plot (default: RUN.png beside RUN.json)"
-    )
-    keys = commands.add_parser(
-        "keygen",
-        help="make a node's CURVE key pair",
-        description="Write DIR/NAME.key (public: copy it into the --trusted folder of every node "
-        "that should admit this one) and DIR/NAME.key_secret (secret, mode 0600; pass --keys DIR).",
-    )
-    keys.add_argument("dir", type=Path, metavar="DIR", help="folder for the key pair (created if missing)")
-    keys.add_argument("--name", default=default_name(), help="file name of the pair (default: host name)")
-    topology = commands.add_parser(
-        "topology",
-        help="inspect a topology: degree, spectral gap, diameter, bytes per round; draw it",
-        description="Analyse a topology for N nodes (or compare all of them) and draw it.",
-    )
-    topology.add_argument("name", nargs="?", help=f"NAME or NAME:key=value,...; one of {', '.join(NAMES)}")
-    topology.add_argument("--nodes", type=int, default=16, metavar="N", help="node count (default: 16)")
-    topology.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a parameter")
-    topology.add_argument("--json", action="store_true", help="print the analysis as JSON")
-    topology.add_argument("--png", type=Path, metavar="FILE", help="draw the graph (round 0) to a PNG")
-    topology.add_argument("--compare", action="store_true", help="a table of every named topology")
-    topology.add_argument(
-        "--model-bytes",
-        type=int,
-        metavar="B",
-        help="model size for bytes per round (default: the digits MLP)",
-    )
-    simulate.add_parser(commands)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "topology":
-            return _topology_command(args, parser)
-        if args.command == "report":
-            return _report_command(args.run, args.png or args.run.with_suffix(".png"))
-        if args.command == "keygen":
-            public, secret = keygen(args.dir, args.name)
-            print(f"public key {public}  (copy it into every trusted folder)\nsecret key {secret}")
-            return 0
-        if args.command == "simulate":
-            return simulate.run(args)
-        if args.command == "node":
-            config = parse_args_into(NodeConfig, args, os.environ)
-            return _node_command(config)
-        mesh_config = parse_args_into(MeshConfig, args, os.environ)
-        _preload_for_nodes()
-        return run_mesh(mesh_config, node_main=main)
-    except (ConfigError, *USER_ERRORS) as exc:
-        print(f"gossipmesh: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+    """``gossipmesh ARGV``; each node of a local mesh runs this too."""
+    return cli_main(argv, run_node=node_command, node_main=main)
 
 
-def _topology_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.nodes < 1:
-        parser.error("--nodes must be >= 1")
-    model_bytes = args.model_bytes
-    if model_bytes is None:
-        model_bytes = sum(p.numel() * p.element_size() for p in load_task("digits").model(0).parameters())
-    if args.compare:
-        topology_view.compare(args.nodes, model_bytes, sys.stdout)
-        return 0
-    if args.name is None:
-        parser.error("give a topology NAME, or --compare")
-    topology = topology_view.with_params(args.name, args.param)
-    analysis = analyze(topology, args.nodes, model_bytes)
-    if args.json:
-        print(topology_view.as_json(analysis))
-    else:
-        topology_view.describe(analysis, sys.stdout)
-    if args.png is not None:
-        topology_view.draw_png(topology, args.nodes, args.png)
-        if not args.json:
-            print(f"drawing        {args.png}")
-    return 0
-
-
-def _report_command(run: Path, png: Path) -> int:
-    try:
-        report = read_json(run)
-    except (OSError, ValueError) as exc:
-        print(f"gossipmesh: error: cannot read report {run}: {exc}", file=sys.stderr)
-        return 1
-    print("\n".join(report_view.summarize(report)))
-    report_view.plot(report, png)
-    print(f"plot: {png}")
-    return 0
-
-
-def _preload_for_nodes() -> None:
-    """Import once, before the mesh forks its nodes, what each would import: building the first
-    torch optimizer pulls in torch._dynamo, seconds of CPU per process."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-
-
-def _node_command(config: NodeConfig) -> int:
+def node_command(config: NodeConfig) -> int:
+    """``gossipmesh node``: run the daemon until done or signalled (a second signal stops it now)."""
     logs.configure(config.log_format)
     stop = threading.Event()
 

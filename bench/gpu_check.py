@@ -23,7 +23,7 @@ import torch
 from meshrun import quiet_mesh
 
 from gossip import FlatParameters, GossipOptimizer
-from p2p.memory import MemoryNetwork
+from gossipmesh.sim.memory import MemoryNetwork
 
 TARGET = 0.93
 SIZES = (10**6, 10**7, 10**8)

@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossip import CHOCO, CodecError, parse_codec
+from gossip import CHOCO, Codec, CodecError
 from gossip.arrays import from_torch, to_device, to_host, to_torch
 from gossip.compression import INT8_BLOCK
-from sim.clock import VirtualClock
-from sim.network import VirtualNetwork
+from gossipmesh.sim.clock import VirtualClock
+from gossipmesh.sim.network import VirtualNetwork
 from topologies import Topology
 
 CHECKED = ("none", "fp16", "bf16", "int8", "topk:0.01", "topk:0.2", "randk:0.01", "randk:0.2")
@@ -115,7 +115,7 @@ class Trip:
 
 
 def round_trip(device: Device, spec: str, x: np.ndarray) -> Trip:
-    codec = parse_codec(spec, seed=SEED)
+    codec = Codec.parse(spec, seed=SEED)
     values = device.upload(x)
     encoded = codec.encode(values)
     frames = to_host(encoded.frames)
@@ -158,8 +158,8 @@ def check_codecs(device: Device, x: np.ndarray) -> list[str]:
 
 def malformed(x: np.ndarray) -> list[tuple[str, list[np.ndarray], dict[str, Any], str]]:
     """(codec, frames, meta, the reason to refuse them): corrupted encodings of ``x``."""
-    q, scales = parse_codec("int8").encode(x).frames
-    index, bitmap = parse_codec("topk:0.01").encode(x), parse_codec("topk:0.2").encode(x)
+    q, scales = Codec.parse("int8").encode(x).frames
+    index, bitmap = Codec.parse("topk:0.01").encode(x), Codec.parse("topk:0.2").encode(x)
     positions, values = index.frames
     bits, kept = bitmap.frames
     return [
@@ -182,7 +182,7 @@ def _with(array: np.ndarray, i: int, value: Any) -> np.ndarray:
 def refusal(like: Any, spec: str, frames: list[np.ndarray], meta: dict[str, Any], size: int) -> str:
     """Why decoding the frames, uploaded where ``like`` lives, fails ("accepted" if it does not)."""
     try:
-        parse_codec(spec).decode(to_device(frames, like), meta, size)
+        Codec.parse(spec).decode(to_device(frames, like), meta, size)
     except CodecError as error:
         return error.reason
     return "accepted"
@@ -224,7 +224,7 @@ def choco_models(device: Device, spec: str) -> list[np.ndarray]:
             network.join(f"node-{i}"),
             from_torch(tensor),
             topology=Topology.parse("ring"),
-            codec=parse_codec(spec, seed=i),
+            codec=Codec.parse(spec, seed=i),
         )
 
         def rounds(node: CHOCO = node) -> None:
@@ -271,7 +271,7 @@ def best_time(device: Device, repeat: int, work: Callable[[], object]) -> float:
 def throughput(device: Device, spec: str, host: np.ndarray, repeat: int) -> tuple[float, float]:
     """GB/s of float32 input through the send and the receive path (module docstring)."""
     x = device.upload(host)
-    codec = parse_codec(spec, seed=SEED)
+    codec = Codec.parse(spec, seed=SEED)
     encoded = codec.encode(x)
     received = [np.array(frame) for frame in to_host(encoded.frames)]  # pageable, as from a socket
     send = best_time(device, repeat, lambda: to_host(codec.encode(x).frames))

@@ -26,10 +26,10 @@ import time
 import numpy as np
 
 from gossip import Algorithm, Codec
-from sim.allreduce import ring_allreduce
-from sim.network import Link
-from sim.run import averaging, simulate, slowest_mode_vectors, start_vectors
-from sim.scenario import Compute, Scenario, Stragglers
+from gossipmesh.sim.allreduce import ring_allreduce
+from gossipmesh.sim.network import Link
+from gossipmesh.sim.run import averaging, simulate, slowest_mode_vectors, start_vectors
+from gossipmesh.sim.scenario import Compute, Scenario, Stragglers
 from topologies import Topology, second_eigenvalue_modulus
 
 EXAMPLES, BATCH = 1_281_167, 32

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from meshrun import quiet_mesh
 
+from gossipmesh.daemon.pacing import StepPacer
+from gossipmesh.tasks import IID, Batches, load_task
 from p2p.address import free_ports
-from runtime.pacing import StepPacer
-from tasks import Batches, load_task
 
 LR, MOMENTUM, BATCH, EVAL_INTERVAL_S = 0.05, 0.9, 32, 0.25
 
@@ -71,7 +71,7 @@ def ddp_worker(
     task = load_task("digits")
     model = torch.nn.parallel.DistributedDataParallel(task.model(seed=0))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    shard = task.shard(rank, nodes, partition="iid", seed=0)
+    shard = task.shard(rank, nodes, partition=IID, seed=0)
     pacer = StepPacer(compute_ms, slowdown if rank == nodes - 1 else 1.0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     dist.barrier()

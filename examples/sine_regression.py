@@ -23,11 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from gossip import GossipOptimizer
-from runtime.config import node_config
-from runtime.peers import connect
-from tasks import Batches, Evaluation, Shard, partition_indices
-from topologies import member_order
+import gossipmesh
+from gossipmesh import Batches, DataPartition, Evaluation, Shard, partition_indices
 
 EXAMPLES = 4096
 TOLERANCE = 0.1  # a prediction this close to the target counts as accurate
@@ -64,7 +61,7 @@ class SineTask:
         torch.manual_seed(seed)
         return SineRegressor()
 
-    def shard(self, rank: int, num_shards: int, *, partition: str, seed: int) -> Shard:
+    def shard(self, rank: int, num_shards: int, *, partition: DataPartition, seed: int) -> Shard:
         part = partition_indices(self._quadrants, num_shards, partition, seed)[rank]
         index = torch.from_numpy(part)
         return Shard(self._inputs[index], self._targets[index], labels=self._quadrants[part])
@@ -87,22 +84,22 @@ def make_task() -> SineTask:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train one node; print and return its figures."""
-    config = node_config(argv)  # the daemon's options, from flags, GOSSIPMESH_* and --config
+    config = gossipmesh.node_config(argv)  # the daemon's options: flags, GOSSIPMESH_*, --config
     if config.threads:
         torch.set_num_threads(config.threads)
     task = make_task()
     model = task.model(config.seed)
     before = task.evaluate(model)
 
-    peer = connect(config, model)  # joined, with --expect members
-    optimizer = GossipOptimizer(
+    peer = gossipmesh.connect(config, model)  # joined, with --expect members
+    optimizer = gossipmesh.GossipOptimizer(
         torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum),
         peer=peer,
-        algorithm=config.algorithm,
+        algorithm=config.algorithm,  # typed: an Algorithm, a Topology (parsed from the flags)
         topology=config.graph,
     )
 
-    members = member_order(peer.members())
+    members = gossipmesh.member_order(peer.members())
     rank = members.index(peer.node_id)
     shard = task.shard(rank, len(members), partition=config.partition, seed=config.seed)
     steps = config.step_budget or math.inf
@@ -114,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         loss.backward()
         optimizer.step()  # a local step, then a gossip round with the neighbours
     optimizer.close()
-    peer.leave(after_round=optimizer.averager.round - 1)
+    peer.leave(after_round=optimizer.round - 1)
     peer.close()
 
     after = task.evaluate(model)
@@ -123,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary = {
         "id": peer.node_id,
         "rank": rank,
-        "rounds": optimizer.averager.round,
-        "seconds": optimizer.phases.totals,  # where the time went: compute, wait...
+        "rounds": optimizer.round,
+        "seconds": optimizer.statistics().phase_seconds,  # where the time went: compute, wait...
         "loss_before": before.loss,
         "loss_after": after.loss,
         "accuracy": after.accuracy,

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from gossip.averager import Averager
+from gossip.averager import Averager, Needs
 from gossip.network import Envelope, PeerNetwork
 from topologies import Topology, pair_partner
 
@@ -34,7 +34,9 @@ class ADPSGD(Averager):
     """Args are those of :class:`~gossip.averager.Averager` (``round`` is the model version),
     plus ``interval_s``: the least time between two exchanges this node starts."""
 
+    name: ClassVar[str] = "adpsgd"
     kinds: ClassVar[tuple[str, ...]] = (REQUEST, REPLY)
+    needs: ClassVar[Needs] = Needs(static_undirected_graph=True)  # pairs come from the 2-colouring
     mixes_in_background: ClassVar[bool] = True
 
     def __init__(
@@ -48,8 +50,6 @@ class ADPSGD(Averager):
         max_staleness: int = 1000,
         interval_s: float = 0.005,
     ) -> None:
-        if topology.family.directed or topology.family.time_varying:
-            raise ValueError(f"adpsgd pairs neighbours on a fixed undirected graph; {topology} is not one")
         super().__init__(
             peer,
             params,

@@ -13,13 +13,16 @@ choco       CHOCO-SGD: sends compressed differences to public         gamma (by 
             replicas (``--compression``)
 ==========  ========================================================  =========================
 
-Only ``choco`` compresses: the others send whole models, which a lossy codec would corrupt
-without the replicas that carry CHOCO's error feedback.
+What each algorithm works with is declared on its class (``Averager.needs``) and checked here
+once, by :meth:`Algorithm.check`, for the command line and the library alike: only ``choco``
+compresses (the others send whole models, which a lossy codec would corrupt without the
+replicas that carry CHOCO's error feedback), only ``dpsgd`` mixes robustly, and ``adpsgd`` and
+``choco`` need a static undirected graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -27,130 +30,124 @@ from typing import Any
 import numpy as np
 
 from gossip.adpsgd import ADPSGD
-from gossip.averager import Averager
+from gossip.averager import Averager, IncompatibleOptionsError
 from gossip.choco import CHOCO
 from gossip.compression import Codec
 from gossip.dpsgd import DPSGD
 from gossip.network import PeerNetwork
 from gossip.robust import RobustRule
 from gossip.sgp import SGP
-from topologies import Topology
+from topologies import Params, Spec, Topology
+from topologies.spec import number
 
 
 @dataclass(frozen=True)
 class _Family:
-    build: Callable[..., Averager]
-    params: dict[str, Callable[[str], Any]]  # name -> parser
-    default_topology: str
-    compresses: bool = False
+    averager: type[Averager]
+    params: Params
+    default_topology: Topology
+    renamed: Mapping[str, str]  # spelling -> the averager's keyword (staleness -> max_staleness)
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-def _bit(text: str) -> int:
-    if text not in ("0", "1"):
-        raise ValueError(text)
-    return int(text)
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(text)
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise ValueError(text)
-    return value
-
-
+_COUNT = number(int, at_least=0)
+_STALENESS = {"staleness": _COUNT}
 FAMILIES: dict[str, _Family] = {
-    "dpsgd": _Family(DPSGD, {"backup": _count, "overlap": _bit, "staleness": _count}, "ring"),
-    "sgp": _Family(SGP, {"overlap": _count, "staleness": _count}, "one-peer-exponential"),
-    "adpsgd": _Family(ADPSGD, {"interval_ms": _positive, "staleness": _count}, "ring"),
-    "choco": _Family(CHOCO, {"gamma": _fraction}, "ring", compresses=True),
+    family.averager.name: family
+    for family in (
+        _Family(
+            DPSGD,
+            Params({"backup": _COUNT, "overlap": number(int, at_least=0, at_most=1), **_STALENESS}),
+            Topology("ring"),
+            {"staleness": "max_staleness"},
+        ),
+        _Family(
+            SGP,
+            Params({"overlap": _COUNT, **_STALENESS}),
+            Topology("one-peer-exponential"),
+            {"staleness": "max_staleness"},
+        ),
+        _Family(
+            ADPSGD,
+            Params({"interval_ms": number(float, above=0), **_STALENESS}),
+            Topology("ring"),
+            {"staleness": "max_staleness"},
+        ),
+        _Family(CHOCO, Params({"gamma": number(float, above=0, at_most=1)}), Topology("ring"), {}),
+    )
 }
 ALGORITHMS = tuple(FAMILIES)
-
-
-class AlgorithmError(ValueError):
-    """An algorithm name or parameter that is not known; the message lists what is."""
+_CHOICES = {name: family.params for name, family in FAMILIES.items()}
 
 
 @dataclass(frozen=True)
-class Algorithm:
+class Algorithm(Spec, what="algorithm", choices=_CHOICES):
     """An algorithm with its parameters, e.g. ``Algorithm.parse("dpsgd:backup=1")``."""
 
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def parse(cls, spec: str) -> Algorithm:
-        name, _, rest = spec.strip().partition(":")
-        if name not in FAMILIES:
-            raise AlgorithmError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
-        accepted = FAMILIES[name].params
-        params = {}
-        for item in filter(None, rest.split(",")):
-            key, _, value = item.partition("=")
-            if key not in accepted:
-                raise AlgorithmError(f"{name}: unknown parameter {key!r}; it takes: {', '.join(accepted)}")
-            try:
-                params[key] = accepted[key](value)
-            except ValueError:
-                raise AlgorithmError(f"{name}: {key}={value!r} is not a valid {key}") from None
-        return cls(name, tuple(sorted(params.items())))
-
-    def __str__(self) -> str:
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params) if self.params else "")
+    @property
+    def family(self) -> _Family:
+        return FAMILIES[self.name]
 
     @property
-    def default_topology(self) -> str:
-        return FAMILIES[self.name].default_topology
+    def default_topology(self) -> Topology:
+        return self.family.default_topology
 
     @property
     def compresses(self) -> bool:
-        return FAMILIES[self.name].compresses
+        return self.family.averager.needs.compression
+
+    def check(
+        self,
+        *,
+        topology: Topology | None = None,
+        codec: Codec | None = None,
+        robust: RobustRule | None = None,
+    ) -> None:
+        """Raise :class:`IncompatibleOptionsError` unless this algorithm works with the topology
+        (None: its default), the codec and the robust rule."""
+        needs = self.family.averager.needs
+        graph = topology or self.default_topology
+        if codec is not None and codec.name != "none" and not needs.compression:
+            raise IncompatibleOptionsError(
+                f"--compression {codec} needs --algorithm {_having('compression')}: {self.name} sends "
+                "whole models, and only CHOCO's replicas keep convergence under a lossy codec"
+            )
+        if robust is not None and not needs.robust_mixing:
+            raise IncompatibleOptionsError(
+                f"--robust {robust} works with --algorithm {_having('robust_mixing')}, not {self.name}"
+            )
+        needs.check_graph(self.name, graph)
 
     def build(
         self,
         peer: PeerNetwork,
         params: np.ndarray,
         *,
-        topology: Topology,
+        topology: Topology | None = None,
         round_timeout: float,
         lock: AbstractContextManager[object] | None,
         codec: Codec | None = None,
         robust: RobustRule | None = None,
     ) -> Averager:
-        """The averager; ValueError when ``codec`` compresses and this algorithm cannot, or a
-        robust rule is given to an algorithm other than dpsgd."""
-        codec = codec or Codec()
-        options: dict[str, Any] = dict(self.params)
-        if self.compresses:
-            options["codec"] = codec
-        elif codec.name != "none":
-            raise ValueError(
-                f"--compression {codec} needs --algorithm choco: {self.name} sends whole models, "
-                "and only CHOCO's replicas keep convergence under a lossy codec"
-            )
-        if robust is not None:
-            if self.name != "dpsgd":
-                raise AlgorithmError(f"robust mixing ({robust}) works with dpsgd only, not {self.name}")
-            options["robust"] = robust
-        if "staleness" in options:
-            options["max_staleness"] = options.pop("staleness")
+        """The averager, after :meth:`check`."""
+        self.check(topology=topology, codec=codec, robust=robust)
+        family = self.family
+        options: dict[str, Any] = {family.renamed.get(k, k): v for k, v in self.params}
         if "interval_ms" in options:
             options["interval_s"] = options.pop("interval_ms") / 1000
-        family = FAMILIES[self.name]
-        return family.build(
-            peer, params, topology=topology, round_timeout=round_timeout, lock=lock, **options
+        if family.averager.needs.compression:
+            options["codec"] = codec or Codec()
+        if robust is not None:
+            options["robust"] = robust
+        return family.averager(
+            peer,
+            params,
+            topology=topology or self.default_topology,
+            round_timeout=round_timeout,
+            lock=lock,
+            **options,
         )
+
+
+def _having(need: str) -> str:
+    """The algorithms whose class declares ``need``, as ``a or b``."""
+    return " or ".join(name for name, family in FAMILIES.items() if getattr(family.averager.needs, need))

@@ -21,12 +21,39 @@ import numpy as np
 
 from gossip.network import Envelope, PeerNetwork
 from gossip.vector import all_finite, scratch_for
-from topologies import MixingRow, Topology, mixing_row
+from topologies import FAMILIES, MixingRow, Topology, mixing_row
 
 WAIT_FACTOR = 10.0
 MIN_WAIT_S = 0.05
 RECENT_ROUNDS = 32
 log = logging.getLogger(__name__)
+
+
+class IncompatibleOptionsError(ValueError):
+    """Options that do not go together; the message names them (as flags) and what to use."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm works with, declared once on its class and checked by
+    :meth:`gossip.algorithms.Algorithm.check` (for the command line and the library, before a
+    node opens a socket); an averager made directly checks its graph itself."""
+
+    static_undirected_graph: bool = False  # a fixed graph whose every edge runs both ways
+    compression: bool = False  # takes a codec (the others send whole models)
+    robust_mixing: bool = False  # takes a Byzantine-robust mixing rule
+
+    def check_graph(self, algorithm: str, topology: Topology) -> None:
+        if self.static_undirected_graph and (topology.family.directed or topology.family.time_varying):
+            examples = [
+                name
+                for name, family in FAMILIES.items()
+                if not (family.directed or family.time_varying) and name != "file"
+            ]
+            raise IncompatibleOptionsError(
+                f"--algorithm {algorithm} needs a static undirected --topology "
+                f"({', '.join(examples[:4])}, ...), not {topology}"
+            )
 
 
 @dataclass(frozen=True)
@@ -71,7 +98,9 @@ class Averager:
             older ones are dropped and counted.
     """
 
+    name: ClassVar[str]  # as --algorithm spells it
     kinds: ClassVar[tuple[str, ...]] = ()  # message kinds this algorithm reads
+    needs: ClassVar[Needs] = Needs()
     #: whether parameters are mixed outside after_step (by a background exchanger), at any time
     mixes_in_background: ClassVar[bool] = False
 
@@ -85,6 +114,7 @@ class Averager:
         lock: AbstractContextManager[object] | None = None,
         max_staleness: int = 0,
     ) -> None:
+        self.needs.check_graph(self.name, topology)
         self.peer = peer
         self.params = params
         self.topology = topology

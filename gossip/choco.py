@@ -40,7 +40,7 @@ from typing import ClassVar
 import numpy as np
 
 from gossip.arrays import Array, array_module, to_device, to_host
-from gossip.averager import Averager, RoundStats
+from gossip.averager import Averager, Needs, RoundStats
 from gossip.compression import Codec, CodecError, Sparse
 from gossip.network import Envelope, PeerNetwork
 from gossip.vector import add_scaled
@@ -93,11 +93,14 @@ class _Replica:
 class CHOCO(Averager):
     """Args are those of :class:`~gossip.averager.Averager`, plus:
 
-    codec: the compressor Q (``gossip.compression.parse_codec``).
+    codec: the compressor Q (``gossip.compression.Codec.parse``).
     gamma: the consensus step size γ in (0, 1]; None: :func:`default_gamma`.
     """
 
+    name: ClassVar[str] = "choco"
     kinds: ClassVar[tuple[str, ...]] = (KIND, FULL_REQUEST, FULL)
+    # every holder of a replica must see every update of it
+    needs: ClassVar[Needs] = Needs(static_undirected_graph=True, compression=True)
 
     def __init__(
         self,
@@ -110,11 +113,6 @@ class CHOCO(Averager):
         lock: AbstractContextManager[object] | None = None,
         gamma: float | None = None,
     ) -> None:
-        if topology.family.time_varying or topology.family.directed:
-            raise ValueError(
-                f"CHOCO needs a static undirected graph (every holder of a replica must see every "
-                f"update), not {topology}; use e.g. ring, torus or exponential"
-            )
         if params.dtype != np.float32:
             raise ValueError(f"CHOCO's codecs work on float32 parameters, not {params.dtype}")
         super().__init__(peer, params, topology=topology, round_timeout=round_timeout, lock=lock)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gossip.arrays import Array, array_module
+from topologies.spec import Params, number, parse_spec, spellings
 
 INT8_BLOCK = 256  # elements sharing one int8 scale: 4 bytes of scale per 256 bytes of values
 _FP16_MAX = float(np.finfo(np.float16).max)
@@ -65,8 +66,23 @@ class Codec:
         (values,) = _expect(frames, [(np.float32, size)])
         return values
 
+    @staticmethod
+    def parse(spec: str, seed: int | None = None) -> Codec:
+        """A codec from its ``--compression`` spelling (``int8``, ``topk:0.01``...); raises
+        ``topologies.SpecError`` listing the choices. ``seed`` seeds random-k's draws."""
+        name, params = parse_spec(spec, _CHOICES, "codec")
+        if name in _SIMPLE:
+            return _SIMPLE[name]()
+        return Sparse(name, params["fraction"], seed)
+
     def __str__(self) -> str:
         return self.name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
 
 
 class Float16(Codec):
@@ -183,22 +199,12 @@ class Sparse(Codec):
         return out
 
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk:FRACTION", "randk:FRACTION")
-
-
-def parse_codec(spec: str, seed: int | None = None) -> Codec:
-    """A codec from its ``--compression`` spelling; ValueError (listing the choices) if unknown."""
-    name, _, arg = spec.strip().partition(":")
-    simple: dict[str, type[Codec]] = {"none": Codec, "fp16": Float16, "bf16": BFloat16, "int8": Int8}
-    if name in simple and not arg:
-        return simple[name]()
-    if name in ("topk", "randk"):
-        try:
-            fraction = float(arg)
-        except ValueError:
-            raise ValueError(f"{name} needs a fraction of elements to keep, e.g. {name}:0.01") from None
-        return Sparse(name, fraction, seed)
-    raise ValueError(f"unknown compression {spec!r}; choose one of: {', '.join(CODECS)}")
+_FRACTION = Params(
+    {"fraction": number(float, above=0, at_most=1)}, positional="fraction", required=("fraction",)
+)
+_SIMPLE: dict[str, type[Codec]] = {"none": Codec, "fp16": Float16, "bf16": BFloat16, "int8": Int8}
+_CHOICES = {**dict.fromkeys(_SIMPLE, Params()), "topk": _FRACTION, "randk": _FRACTION}
+CODECS = tuple(spellings(_CHOICES))
 
 
 def _expect(frames: Sequence[Array], shapes: list[tuple[type, int]]) -> list[Array]:

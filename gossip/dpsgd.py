@@ -34,7 +34,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from gossip.averager import Averager, RoundStats
+from gossip.averager import Averager, Needs, RoundStats
 from gossip.network import Envelope, PeerNetwork
 from gossip.robust import RobustRule
 from gossip.vector import add_scaled
@@ -53,7 +53,9 @@ class DPSGD(Averager):
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.robust``).
     """
 
+    name: ClassVar[str] = "dpsgd"
     kinds: ClassVar[tuple[str, ...]] = (KIND,)
+    needs: ClassVar[Needs] = Needs(robust_mixing=True)
 
     def __init__(
         self,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ import torch
 from gossip.algorithms import Algorithm
 from gossip.arrays import from_torch, shares_memory
 from gossip.averager import RoundStats
-from gossip.compression import Codec, parse_codec
+from gossip.compression import Codec
 from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
 from gossip.network import PeerNetwork
@@ -23,8 +24,23 @@ from gossip.robust import RobustRule
 from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
 from topologies import Topology
 
+DPSGD_ALGORITHM = Algorithm("dpsgd")
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
 CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
+
+
+@dataclass(frozen=True)
+class GossipStatistics:
+    """A node's gossip so far: what its run report and its metrics show."""
+
+    round: int  # the next gossip round (for adpsgd: the model version)
+    rounds_per_s: float
+    fallback_rounds: int  # rounds averaged on the fallback graph (see ``topologies.membership``)
+    staleness: dict[str, float]  # of the messages mixed in: mean, max, accepted, dropped
+    rejected: dict[str, int]  # malformed messages, by reason
+    dropped: dict[str, int]  # well-formed ones not used (stale, too early...), by reason
+    phase_seconds: dict[str, float]  # totals per phase (``gossip.phases``)
+    consensus: float | None  # the latest consensus estimate (see GossipOptimizer)
 
 
 class GossipOptimizer:
@@ -41,28 +57,30 @@ class GossipOptimizer:
     Args:
         optimizer: the local optimizer; its parameters are moved into one flat buffer.
         peer: the node's network (``p2p.Peer``).
-        algorithm: the averaging algorithm: a ``gossip.Algorithm`` or its spelling
-            (``"dpsgd"``, ``"sgp:overlap=1"``, ``"adpsgd"``...; see ``gossip.algorithms``).
-        topology: the graph to average on: a ``topologies.Topology`` or its spelling
-            (``"ring"``, ``"random-regular:degree=4"``, ``"file:graph.json"``...); None: the
-            algorithm's usual one (``one-peer-exponential`` for sgp, ``ring`` otherwise).
+        algorithm: the averaging algorithm (``Algorithm.parse("sgp:overlap=1")``; see
+            ``gossip.algorithms``).
+        topology: the graph to average on (``Topology.parse("random-regular:degree=4")``);
+            None: the algorithm's usual one (``one-peer-exponential`` for sgp, ``ring`` otherwise).
         average_every: local steps between gossip rounds (H).
-        compression: the codec for what is sent: a ``gossip.compression.Codec`` or its spelling
-            (``"int8"``, ``"topk:0.01"``...); anything but ``"none"`` needs ``algorithm="choco"``.
+        compression: the codec for what is sent (``Codec.parse("int8")``); None: none. Only
+            an algorithm that compresses (choco) takes one.
         outer_lr: with a value, local-steps training as DiLoCo: every H steps the gossip-mixed
             change is applied by an outer Nesterov step with this learning rate
             (``gossip.outer``); None: the mixed parameters are taken as they are.
         outer_momentum: the outer step's Nesterov momentum.
         round_timeout: the longest a round waits for a neighbour, in seconds.
         lock: held while parameters are written (local step and mixing), so another thread can
-            evaluate the model consistently.
-        robust: a Byzantine-robust mixing rule (``gossip.robust``: ``"clip"``, ``"trimmed-mean"``),
-            dpsgd only; None: the plain weighted mean.
+            evaluate the model consistently; None: a lock of its own.
+        robust: a Byzantine-robust mixing rule (``RobustRule.parse("clip:b=1")``), dpsgd only;
+            None: the plain weighted mean.
         staged: mix a host copy of the parameters, copied from the device before a round and
             back after it (before and after every step with a background exchanger); None: when
             the model is not on the CPU (see ``gossip.flat``). CHOCO without an outer step
             mixes the model's own memory instead (``mixes_in_place``: cupy kernels on a CUDA
             device, see ``gossip.arrays``), falling back to the host copy without cupy.
+
+    Options that do not go together (a codec for an algorithm that sends whole models...)
+    raise ``gossip.IncompatibleOptionsError`` here, as they fail the command line's checks.
     """
 
     def __init__(
@@ -70,19 +88,17 @@ class GossipOptimizer:
         optimizer: torch.optim.Optimizer,
         *,
         peer: PeerNetwork,
-        algorithm: Algorithm | str = "dpsgd",
-        topology: Topology | str | None = None,
+        algorithm: Algorithm = DPSGD_ALGORITHM,
+        topology: Topology | None = None,
         average_every: int = 1,
-        compression: Codec | str = "none",
+        compression: Codec | None = None,
         outer_lr: float | None = None,
         outer_momentum: float = 0.9,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
-        robust: RobustRule | str | None = None,
+        robust: RobustRule | None = None,
         staged: bool | None = None,
     ) -> None:
-        spec = algorithm if isinstance(algorithm, Algorithm) else Algorithm.parse(algorithm)
-        rule = RobustRule.parse(robust) if isinstance(robust, str) else robust
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
         self.optimizer = optimizer
@@ -93,26 +109,23 @@ class GossipOptimizer:
         self.phases = PhaseTimer(peer.now)
         self.consensus_estimate: float | None = None
         self._before_mixing: np.ndarray | None = None
-        self._lock = lock if lock is not None else contextlib.nullcontext()
+        # one lock for the local step and the mixing: a background exchanger mixes at any time
+        self._lock = lock if lock is not None else threading.Lock()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.flat = FlatParameters(self._params, staged=staged)
-        graph = (
-            topology if isinstance(topology, Topology) else Topology.parse(topology or spec.default_topology)
-        )
-        codec = compression if isinstance(compression, Codec) else parse_codec(compression)
         # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
         # device, only the encoded frames staged); the outer step and the others need the host copy
         self.mixes_in_place = (
-            self.flat.staged and spec.compresses and outer_lr is None and shares_memory(self.flat.tensor)
+            self.flat.staged and algorithm.compresses and outer_lr is None and shares_memory(self.flat.tensor)
         )
-        self.averager = spec.build(
+        self.averager = algorithm.build(
             TimedPeer(peer, self.phases),
             from_torch(self.flat.tensor) if self.mixes_in_place else self.flat.array,
-            topology=graph,
+            topology=topology,
             round_timeout=round_timeout,
-            lock=lock,
-            codec=codec,
-            robust=rule,
+            lock=self._lock,
+            codec=compression,
+            robust=robust,
         )
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
@@ -178,6 +191,26 @@ class GossipOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def round(self) -> int:
+        """The next gossip round (for adpsgd: the model version); a node that stops after its
+        last round leaves with ``peer.leave(after_round=optimizer.round - 1)``."""
+        return self.averager.round
+
+    def statistics(self) -> GossipStatistics:
+        """This node's gossip so far (rounds, staleness, rejections, where the time went)."""
+        averager = self.averager
+        return GossipStatistics(
+            round=averager.round,
+            rounds_per_s=self.rounds_per_s,
+            fallback_rounds=averager.fallback_rounds,
+            staleness=averager.report(),
+            rejected=dict(averager.rejected),
+            dropped=dict(averager.dropped),
+            phase_seconds={phase: round(s, 4) for phase, s in self.phases.totals.items()},
+            consensus=self.consensus_estimate,
+        )
 
     @property
     def rounds_per_s(self) -> float:

@@ -27,11 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RULES = ("none", "clip", "trimmed-mean")
+from topologies.spec import Params, format_spec, number, parse_spec
+
+_RULE = Params({"b": number(int, at_least=0)})
+RULES = {"clip": _RULE, "trimmed-mean": _RULE}
 
 
 class RobustError(ValueError):
-    """A robust rule that does not parse; the message lists what does."""
+    """A robust rule that cannot mix what it was given (too few values to trim)."""
 
 
 @dataclass(frozen=True)
@@ -42,23 +45,13 @@ class RobustRule:
     tolerate: int = 1
 
     @classmethod
-    def parse(cls, spec: str) -> RobustRule | None:
-        """``none``, ``clip``, ``trimmed-mean``, optionally ``:b=K``; None for ``none``."""
-        name, _, rest = spec.strip().partition(":")
-        if name not in RULES:
-            raise RobustError(f"unknown rule {name!r}; choose one of {', '.join(RULES)} (e.g. clip:b=1)")
-        tolerate = 1
-        if rest:
-            key, _, value = rest.partition("=")
-            if key != "b" or not value.isdigit():
-                raise RobustError(f"{spec!r}: the only parameter is b=K, the bad neighbours to tolerate")
-            tolerate = int(value)
-        if name == "none":
-            return None
-        return cls(name, tolerate)
+    def parse(cls, spec: str) -> RobustRule:
+        """``clip`` or ``trimmed-mean``, optionally ``:b=K`` (default 1); raises SpecError."""
+        name, params = parse_spec(spec, RULES, "robust rule")
+        return cls(name, params.get("b", 1))
 
     def __str__(self) -> str:
-        return f"{self.name}:b={self.tolerate}"
+        return format_spec(self.name, {"b": self.tolerate}, RULES[self.name])
 
     def mix(
         self, own: np.ndarray, neighbours: Mapping[str, tuple[np.ndarray, float]], out: np.ndarray

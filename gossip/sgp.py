@@ -40,6 +40,7 @@ HOLD_ROUNDS = 8
 class SGP(Averager):
     """Args are those of :class:`~gossip.averager.Averager`, plus ``overlap`` (see above)."""
 
+    name: ClassVar[str] = "sgp"
     kinds: ClassVar[tuple[str, ...]] = (KIND,)
 
     def __init__(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.checkpoint import load_newest, save_checkpoint
+from gossipmesh.daemon.checkpoint import load_newest, save_checkpoint
 
 SIZE = 1 << 20
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gossip import Algorithm, PeerNetwork, parse_codec
+from gossip import Algorithm, Codec, PeerNetwork
 from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology
@@ -68,7 +68,7 @@ def average_in_threads(
                 topology=Topology.parse(topology),
                 round_timeout=timeout,
                 lock=None,
-                codec=parse_codec(compression),
+                codec=Codec.parse(compression),
             )
             for _ in range(rounds):
                 started = time.monotonic()

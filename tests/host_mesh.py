@@ -24,10 +24,10 @@ import zmq
 import zmq.auth
 from wire_fuzz import decodes, hostile_messages
 
+from gossipmesh.daemon.checkpoint import load_newest
+from gossipmesh.mesh.node_process import NodeProcess
 from node import main
 from p2p.security import NodeKeys, configure_client, keygen
-from runtime.checkpoint import load_newest
-from runtime.node_process import NodeProcess
 
 PORT = 7000
 

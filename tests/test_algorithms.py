@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from helpers import average_in_threads, wait_until
 
-from gossip import ADPSGD, DPSGD, Algorithm, AlgorithmError, consensus_distance
-from p2p.memory import MemoryNetwork
-from topologies import Topology
+from gossip import ADPSGD, DPSGD, Algorithm, IncompatibleOptionsError, consensus_distance
+from gossipmesh.sim.memory import MemoryNetwork
+from topologies import SpecError, Topology
 
 
 def memory_mesh(n: int) -> list:  # type: ignore[type-arg]
@@ -115,16 +115,22 @@ def test_overlapped_dpsgd_keeps_the_mean_and_contracts_at_the_delayed_rate() -> 
 
 def test_algorithm_names_and_parameters() -> None:
     assert str(Algorithm.parse("dpsgd:staleness=2,backup=1")) == "dpsgd:backup=1,staleness=2"
-    assert Algorithm.parse("sgp").default_topology == "one-peer-exponential"
-    with pytest.raises(
-        AlgorithmError, match="unknown algorithm 'allreduce'; choose one of dpsgd, sgp, adpsgd"
-    ):
+    assert Algorithm.parse("sgp").default_topology == Topology("one-peer-exponential")
+    with pytest.raises(SpecError, match="unknown algorithm 'allreduce'; choose one of dpsgd, sgp, adpsgd"):
         Algorithm.parse("allreduce")
     with pytest.raises(
-        AlgorithmError, match=re.escape("sgp: unknown parameter 'backup'; it takes: overlap, staleness")
+        SpecError, match=re.escape("sgp: unknown parameter 'backup'; it takes: overlap, staleness")
     ):
         Algorithm.parse("sgp:backup=1")
-    with pytest.raises(AlgorithmError, match="dpsgd: backup='-1' is not a valid backup"):
+    with pytest.raises(SpecError, match=re.escape("dpsgd: backup: must be >= 0, got -1")):
         Algorithm.parse("dpsgd:backup=-1")
-    with pytest.raises(ValueError, match="adpsgd pairs neighbours on a fixed undirected graph"):
-        ADPSGD(memory_mesh(1)[0], np.zeros(2), topology=Topology.parse("one-peer-exponential"))
+    with pytest.raises(
+        IncompatibleOptionsError, match="--algorithm adpsgd needs a static undirected --topology"
+    ):
+        Algorithm.parse("adpsgd").build(
+            memory_mesh(1)[0],
+            np.zeros(2),
+            topology=Topology.parse("one-peer-exponential"),
+            round_timeout=1,
+            lock=None,
+        )

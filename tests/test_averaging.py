@@ -9,7 +9,9 @@ import pytest
 import torch
 from helpers import average_in_threads, started_peers
 
-from gossip import FlatParameters, GossipOptimizer, consensus_distance
+from gossip import Codec, FlatParameters, GossipOptimizer, IncompatibleOptionsError, consensus_distance
+from gossipmesh.sim.memory import MemoryNetwork
+from topologies import Topology
 
 ROUNDS = {"ring": 120, "exponential": 40, "complete": 3, "one-peer-exponential": 3}
 
@@ -68,7 +70,7 @@ def test_gossip_optimizer_steps_locally_then_averages() -> None:
             models[0].weight.fill_(1.0)
             models[1].weight.fill_(3.0)
         optimizers = [
-            GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology="ring")
+            GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology=Topology("ring"))
             for m, p in zip(models, (a, b), strict=True)
         ]
         threads = [threading.Thread(target=o.step) for o in optimizers]
@@ -81,7 +83,11 @@ def test_gossip_optimizer_steps_locally_then_averages() -> None:
     assert all(o.last_round is not None and o.last_round.arrived == 1 for o in optimizers)
 
 
-def test_gossip_optimizer_refuses_unknown_algorithm() -> None:
+def test_gossip_optimizer_refuses_what_its_algorithm_cannot_do() -> None:
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="unknown algorithm 'sgd'; choose one of dpsgd"):
-        GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), peer=None, algorithm="sgd")  # type: ignore[arg-type]
+    with pytest.raises(IncompatibleOptionsError, match="--compression int8 needs --algorithm choco"):
+        GossipOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            peer=MemoryNetwork().join("solo"),
+            compression=Codec.parse("int8"),
+        )

@@ -17,8 +17,8 @@ from checkpoint_writer import SIZE, write_forever
 from helpers import wait_until
 from safetensors.numpy import load_file
 
+from gossipmesh.daemon.checkpoint import KEEP, load_newest, save_checkpoint
 from node import main
-from runtime.checkpoint import KEEP, load_newest, save_checkpoint
 
 
 def test_round_trip_keeps_the_newest_and_skips_a_damaged_one(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from helpers import average_in_threads
 
 from gossip import consensus_distance
-from p2p.memory import MemoryNetwork
+from gossipmesh.sim.memory import MemoryNetwork
 from topologies import FAMILIES, Topology, analyze
 
 N = 32

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -18,11 +19,23 @@ import pytest
 import yaml
 from test_observability import consecutive_free_ports, get
 
-from runtime.config import CONFIG_ENV, ENV_PREFIX, NodeConfig, load
+from gossipmesh.config import CONFIG_ENV, ENV_PREFIX, NodeConfig, load
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 OPTIONS = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(NodeConfig)} | {CONFIG_ENV}
+
+
+def _copied() -> list[str]:
+    """What the Dockerfile's wheel stage copies into its build folder."""
+    text = (ROOT / "Dockerfile").read_text()
+    wheel_stage = text[text.index(" AS wheel") : text.index("RUN pip wheel")]
+    return [
+        name for line in re.findall(r"^COPY (.+) \S+$", wheel_stage, re.MULTILINE) for name in line.split()
+    ]
+
+
+COPIED = _copied()
 
 
 def dockerfile() -> dict[str, Any]:
@@ -103,15 +116,49 @@ def test_kubernetes_statefulset_behind_a_headless_service() -> None:
     assert patch["value"] == {"nvidia.com/gpu": 1}
 
 
-@pytest.mark.mesh
-def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(tmp_path: Path) -> None:
-    # the image's install steps: a wheel of the project (no dependencies), installed on its own
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The image's install steps: a wheel of the project (no dependencies) built from the files
+    the Dockerfile copies, installed on its own; the folder it was installed into."""
+    root = tmp_path_factory.mktemp("image")
+    source, wheels, site = root / "src", root / "wheels", root / "site"
+    source.mkdir()
+    for name in COPIED:
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, source / name)
     pip = [sys.executable, "-m", "pip", "--quiet", "--disable-pip-version-check"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels),
-                    str(ROOT)], check=True, cwd=tmp_path, capture_output=True)  # fmt: skip
+                    str(source)], check=True, cwd=root, capture_output=True)  # fmt: skip
     (wheel,) = wheels.glob("gossipmesh-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    return site
+
+
+def test_the_installed_distribution_has_only_its_own_top_level_names(installed: Path) -> None:
+    names = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")}
+    names -= {"bin", "__pycache__"}
+    assert names == {"gossipmesh", "p2p", "gossip", "topologies", "node.py"}
+    (info,) = installed.glob("gossipmesh-*.dist-info")
+    assert (info / "top_level.txt").read_text().split() == [
+        "gossip",
+        "gossipmesh",
+        "node",
+        "p2p",
+        "topologies",
+    ]
+    packages = {
+        p.parent.relative_to(installed).as_posix() for p in (installed / "gossipmesh").rglob("__init__.py")
+    }
+    assert packages == {
+        f"gossipmesh{sub}" for sub in ("", "/cli", "/config", "/daemon", "/mesh", "/sim", "/tasks")
+    }
+
+
+@pytest.mark.mesh
+def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(
+    tmp_path: Path, installed: Path
+) -> None:
+    site = installed
     image = dockerfile()
     entrypoint = [str(site / "bin" / image["entrypoint"][0]), *image["entrypoint"][1:]]
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}

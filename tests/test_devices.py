@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from gossip import FlatParameters, GossipOptimizer
-from p2p.memory import MemoryNetwork
-from runtime.config import ConfigError, MeshConfig, NodeConfig
+from gossip import Algorithm, Codec, FlatParameters, GossipOptimizer
+from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, load
+from gossipmesh.sim.memory import MemoryNetwork
+from topologies import Topology
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -52,8 +53,8 @@ def _train_pair(
         GossipOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
             peer=p,
-            algorithm=algorithm,
-            topology="ring",
+            algorithm=Algorithm.parse(algorithm),
+            topology=Topology("ring"),
             staged=s,
             **options,  # type: ignore[arg-type]
         )
@@ -102,14 +103,14 @@ def test_staged_choco_mixes_the_models_own_memory_and_trains_exactly_as_a_host_n
         name: GossipOptimizer(
             torch.optim.SGD(_model(0).parameters(), lr=0.1),
             peer=network.join(name),
-            algorithm=name,
+            algorithm=Algorithm(name),
             staged=True,
         )
         for name in ("choco", "dpsgd")
     }
     assert staged["choco"].mixes_in_place and not staged["dpsgd"].mixes_in_place
-    plain = _train_pair((False, False), algorithm="choco", steps=30, compression="int8")
-    mixed = _train_pair((True, True), algorithm="choco", steps=30, compression="int8")
+    plain = _train_pair((False, False), algorithm="choco", steps=30, compression=Codec.parse("int8"))
+    mixed = _train_pair((True, True), algorithm="choco", steps=30, compression=Codec.parse("int8"))
     _assert_same(mixed, plain)
 
 
@@ -132,7 +133,9 @@ def test_background_mixing_reaches_a_staged_model_and_is_never_lost() -> None:
     models = [_model(0), _model(1)]
     total = sum(_model_array(s) for s in (0, 1))
     optimizers = [
-        GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, algorithm="adpsgd", staged=True)
+        GossipOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.0), peer=p, algorithm=Algorithm("adpsgd"), staged=True
+        )
         for m, p in zip(models, peers, strict=True)
     ]
     deadline = time.monotonic() + 10
@@ -150,14 +153,14 @@ def test_background_mixing_reaches_a_staged_model_and_is_never_lost() -> None:
 
 
 def test_device_flags_are_checked() -> None:
-    assert NodeConfig(insecure=True, device="cpu").device == "cpu"
-    with pytest.raises(ConfigError, match=re.escape("--device 'tpu0': choose cpu, cuda or cuda:INDEX")):
-        NodeConfig(insecure=True, device="tpu0")
+    assert load(NodeConfig, {"insecure": True, "device": "cpu"}).device == "cpu"
+    with pytest.raises(ConfigError, match=re.escape("--device: 'tpu0': choose cpu, cuda or cuda:INDEX")):
+        load(NodeConfig, {"insecure": True, "device": "tpu0"})
     if not torch.cuda.is_available():
         with pytest.raises(
-            ConfigError, match=re.escape("--device 'cuda:1': this torch build sees no CUDA device 1 ")
+            ConfigError, match=re.escape("--device: 'cuda:1': this torch build sees no CUDA device 1 ")
         ):
-            NodeConfig(insecure=True, device="cuda:1")
-    assert MeshConfig(nodes=3, node_device=("2:cpu",)).device_by_rank() == {2: "cpu"}
-    with pytest.raises(ConfigError, match=re.escape("--node-device '5:cpu': rank 5 is not in 0..2")):
-        MeshConfig(nodes=3, node_device=("5:cpu",))
+            load(NodeConfig, {"insecure": True, "device": "cuda:1"})
+    assert load(MeshConfig, {"nodes": "3", "node_device": ["2:cpu"]}).by_rank("node_device") == {2: "cpu"}
+    with pytest.raises(ConfigError, match=re.escape("--node-device: '5:cpu': rank 5 is not in 0..2")):
+        load(MeshConfig, {"nodes": "3", "node_device": ["5:cpu"]})

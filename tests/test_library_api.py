@@ -17,8 +17,9 @@ from helpers import addresses
 
 from gossip import GossipOptimizer, consensus_distance
 from gossip.phases import PHASES
-from p2p.memory import MemoryNetwork
+from gossipmesh.sim.memory import MemoryNetwork
 from p2p.security import keygen
+from topologies import Topology
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sine_regression.py"
 
@@ -78,7 +79,7 @@ def test_phase_timer_puts_a_straggler_into_its_neighbours_wait() -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 1)
         optimizer = GossipOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), peer=peer, topology="complete"
+            torch.optim.SGD(model.parameters(), lr=0.1), peer=peer, topology=Topology("complete")
         )
         optimizers[peer.node_id] = optimizer
         for step in range(steps):

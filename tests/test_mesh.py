@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gossipmesh.daemon.pacing import StepPacer
 from node import main
-from runtime.pacing import StepPacer
 from topologies import NAMES, Topology
 
 NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
@@ -86,7 +86,9 @@ def test_cli_errors_are_one_line_not_a_traceback(capsys: pytest.CaptureFixture[s
     assert main(["node", "--topology", "donut"]) == 2
     assert capsys.readouterr().err.startswith("gossipmesh: error: --topology: unknown topology 'donut'")
     assert main(["mesh", "--nodes", "0"]) == 2
-    assert "--nodes: must be in 1..256, got 0" in capsys.readouterr().err
+    assert "--nodes: must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["mesh", "--nodes", "300"]) == 2
+    assert "--nodes: must be in 1..256, got 300" in capsys.readouterr().err
 
 
 def test_pacer_stretches_steps() -> None:

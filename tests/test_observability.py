@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from gossip.phases import PHASES
+from gossipmesh import logs
 from node import main
-from runtime import logs
 
 NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 NAMED_METRICS = (

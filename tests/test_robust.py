@@ -11,6 +11,7 @@ import pytest
 
 from gossip.robust import RobustError, RobustRule
 from node import main
+from topologies import SpecError
 
 
 def test_clipping_bounds_a_far_neighbour_and_spares_the_close_ones() -> None:
@@ -19,7 +20,6 @@ def test_clipping_bounds_a_far_neighbour_and_spares_the_close_ones() -> None:
     liar = np.array([0, 1e6, 0, 0], np.float32)
     out = np.empty(4, np.float32)
     rule = RobustRule.parse("clip")
-    assert rule is not None
     rule.mix(own, {"h": (honest, 0.25), "m": (liar, 0.25)}, out)
     # tau = distance to the closest (d - b = 1st) neighbour = 1: the liar moves us by 0.25 at most
     np.testing.assert_allclose(out, [0.25, 0.25, 0, 0], atol=1e-6)
@@ -37,7 +37,6 @@ def test_trimmed_mean_drops_the_extremes_of_every_coordinate() -> None:
     ]
     out = np.empty(2, np.float32)
     rule = RobustRule.parse("trimmed-mean:b=1")
-    assert rule is not None
     rule.mix(own, {str(i): (v, 0.25) for i, v in enumerate(values)}, out)
     np.testing.assert_allclose(out, [2.5, 5.5])
     with pytest.raises(RobustError, match="needs more than 4 values, got 4"):
@@ -47,9 +46,9 @@ def test_trimmed_mean_drops_the_extremes_of_every_coordinate() -> None:
 
 
 def test_rules_parse_or_say_what_parses() -> None:
-    assert RobustRule.parse("none") is None
     assert str(RobustRule.parse("clip:b=2")) == "clip:b=2"
-    with pytest.raises(RobustError, match="choose one of none, clip, trimmed-mean"):
+    assert RobustRule.parse("trimmed-mean") == RobustRule("trimmed-mean", 1)
+    with pytest.raises(SpecError, match="unknown robust rule 'krum'; choose one of clip, trimmed-mean"):
         RobustRule.parse("krum")
 
 

@@ -15,13 +15,15 @@ import pytest
 from helpers import average_in_threads, started_peers
 
 from gossip import ADPSGD, Algorithm, Codec, consensus_distance
-from node import build_parser, main
-from p2p.memory import MemoryNetwork
-from runtime import simulate as simulate_command
-from sim.clock import VirtualClock
-from sim.network import Link, VirtualNetwork
-from sim.run import SimResult, averaging, simulate, slowest_mode_vectors, start_vectors
-from sim.scenario import Compute, Crash, Scenario, Stragglers, split_in_halves
+from gossipmesh.cli import parse_config
+from gossipmesh.cli import simulate as simulate_command
+from gossipmesh.config import SimulateConfig
+from gossipmesh.sim.clock import VirtualClock
+from gossipmesh.sim.memory import MemoryNetwork
+from gossipmesh.sim.network import Link, VirtualNetwork
+from gossipmesh.sim.run import SimResult, averaging, simulate, slowest_mode_vectors, start_vectors
+from gossipmesh.sim.scenario import Compute, Crash, Scenario, Stragglers, split_in_halves
+from node import main
 from topologies import Topology, second_eigenvalue_modulus
 
 BIG = 1024
@@ -200,9 +202,9 @@ def simulated_rounds(*flags: str) -> list[dict[str, float]]:
     """``gossipmesh simulate --json`` on 16 nodes of an exponential graph, 40 rounds of 100 ms."""
     argv = ["simulate", "--nodes", "16", "--topology", "exponential", "--rounds", "40", "--json"]
     out = io.StringIO()
-    assert (
-        simulate_command.run(build_parser().parse_args([*argv, "--model-size", "1000000", *flags]), out) == 0
-    )
+    config = parse_config([*argv, "--model-size", "1000000", *flags], env={})
+    assert isinstance(config, SimulateConfig)
+    assert simulate_command.run(config, out) == 0
     rounds: list[dict[str, float]] = json.loads(out.getvalue())["rounds"]
     return rounds
 
@@ -233,10 +235,10 @@ def test_simulate_crashed_nodes_stop_counting_and_joiners_take_part(
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
-        (["--crash", "0.1"], "'0.1': expected FRACTION@SECONDS with virtual seconds >= 0, e.g. 0.1@2"),
+        (["--crash", "0.1"], "--crash: '0.1': expected FRACTION@SECONDS with seconds >= 0, e.g. 0.1@2"),
         (["--crash", "0.01@1"], "FRACTION must be in [0.0625, 1]"),
         (["--crash", "0.5@1", "--crash", "0.5@2"], "together they crash all 16 nodes"),
-        (["--join", "2.5@1"], "COUNT must be a whole number >= 1"),
+        (["--join", "2.5@1"], "--join: '2.5@1': '2.5' is not a whole number"),
         (["--partition", "3:1"], "need 0 <= START < END, e.g. 1:4"),
         (["--algorithm", "allreduce", "--partition", "1:2"], "time model without faults"),
     ],

@@ -22,7 +22,8 @@ from gossip.state import (
     send_snapshot,
     serve_requests,
 )
-from p2p.memory import MemoryNetwork
+from gossipmesh.sim.memory import MemoryNetwork
+from topologies import Topology
 
 CHUNK = 300
 
@@ -143,7 +144,9 @@ def test_a_newcomer_takes_the_model_optimizer_and_counters_of_a_member() -> None
         torch.manual_seed(0)
         models = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
         optimizers = [
-            GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), peer=p, topology="ring")
+            GossipOptimizer(
+                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), peer=p, topology=Topology("ring")
+            )
             for m, p in zip(models, (old, new), strict=True)
         ]
         models[0](torch.ones(4, 3)).sum().backward()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks import Batches, load_task, partition_indices
-from tasks.digits import stratified_split
+from gossipmesh.tasks import IID, Batches, DataPartition, load_task, partition_indices
+from gossipmesh.tasks.digits import stratified_split
 
 
 def test_digits_split_is_stratified_80_20_and_fixed() -> None:
@@ -21,7 +21,7 @@ def test_digits_split_is_stratified_80_20_and_fixed() -> None:
 
 def test_digits_task_shards_cover_the_training_split() -> None:
     task = load_task("digits")
-    shards = [task.shard(rank, 4, partition="iid", seed=0) for rank in range(4)]
+    shards = [task.shard(rank, 4, partition=IID, seed=0) for rank in range(4)]
     assert sum(len(s) for s in shards) == 1437  # 1797 examples, 360 held out
     assert shards[0].inputs.shape[1] == 64 and float(shards[0].inputs.max()) <= 1.0
     evaluation = task.evaluate(task.model(seed=0))
@@ -32,14 +32,14 @@ def test_digits_task_shards_cover_the_training_split() -> None:
 
 def test_iid_partition_is_disjoint_and_balanced() -> None:
     labels = np.arange(103) % 10
-    parts = partition_indices(labels, 4, "iid", seed=1)
+    parts = partition_indices(labels, 4, IID, seed=1)
     assert sorted(np.concatenate(parts).tolist()) == list(range(103))
     assert {len(p) for p in parts} == {25, 26}
 
 
 def test_dirichlet_partition_skews_labels() -> None:
     labels = np.repeat(np.arange(10), 100)
-    parts = partition_indices(labels, 5, "dirichlet:0.1", seed=0)
+    parts = partition_indices(labels, 5, DataPartition.parse("dirichlet:0.1"), seed=0)
     assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
     dominant = [np.bincount(labels[p], minlength=10).max() / max(len(p), 1) for p in parts if len(p)]
     assert np.mean(dominant) > 0.4  # iid would give ~0.1
@@ -47,7 +47,7 @@ def test_dirichlet_partition_skews_labels() -> None:
 
 def test_batches_cycle_through_the_shard() -> None:
     task = load_task("digits")
-    shard = task.shard(0, 4, partition="iid", seed=0)
+    shard = task.shard(0, 4, partition=IID, seed=0)
     stream = Batches(shard, 32, seed=0)
     seen = [next(stream)[1] for _ in range(len(shard) // 32)]
     assert all(len(targets) == 32 for targets in seen)
@@ -59,7 +59,7 @@ def test_unknown_task() -> None:
 
 
 def test_batches_resume_exactly_where_they_were() -> None:
-    shard = load_task("digits").shard(0, 4, partition="iid", seed=0)
+    shard = load_task("digits").shard(0, 4, partition=IID, seed=0)
     stream = Batches(shard, 32, seed=3)
     for _ in range(17):  # into the second pass over the shard
         next(stream)

@@ -4,7 +4,8 @@ from topologies.analysis import Analysis, analyze, second_eigenvalue_modulus
 from topologies.graphs import TopologyError
 from topologies.membership import MixingRow, member_order, mixing_row, pair_partner
 from topologies.schedules import active_passive, pairwise_partner
-from topologies.spec import FAMILIES, NAMES, Topology
+from topologies.spec import Params, Spec, SpecError
+from topologies.topology import FAMILIES, NAMES, Topology
 from topologies.weights import SCHEMES, check_column_stochastic, check_doubly_stochastic
 
 __all__ = [
@@ -13,6 +14,9 @@ __all__ = [
     "SCHEMES",
     "Analysis",
     "MixingRow",
+    "Params",
+    "Spec",
+    "SpecError",
     "Topology",
     "TopologyError",
     "active_passive",

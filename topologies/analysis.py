@@ -15,7 +15,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from topologies.spec import RANDOM_SCHEDULE_SAMPLES, Topology
+from topologies.topology import RANDOM_SCHEDULE_SAMPLES, Topology
 
 
 @dataclass(frozen=True)

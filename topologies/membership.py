@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from topologies.graphs import TopologyError
 from topologies.schedules import pairwise_partner
-from topologies.spec import Topology
+from topologies.topology import Topology
 
 FALLBACK = Topology("exponential")
 _DIGITS = re.compile(r"(\d+)")

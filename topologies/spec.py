@@ -1,149 +1,178 @@
-"""Topologies by name: ``NAME`` or ``NAME:key=value,...`` (``file:PATH`` for a user graph).
+"""The spelling of named, parameterised choices: ``NAME`` or ``NAME:key=value,...``.
 
-The same spelling works in ``--topology``, the config file and ``gossipmesh topology``. A
-:class:`Topology` builds its graph for any node count and round, and gives each node its row of
-the mixing matrix.
+Topologies (``random-regular:degree=4``), averaging algorithms (``dpsgd:backup=1``), robust
+rules (``clip:b=2``) and codecs (``topk:0.01``) are all spelt this way, on the command line, in
+config files and in library calls, and all are read by :func:`parse_spec`, which raises
+:class:`SpecError` naming what is accepted. A name may have a *positional* parameter that a
+bare first value sets: ``topk:0.01`` is ``topk:fraction=0.01``; a name whose only parameter is
+positional takes the whole rest as its value (``file:PATH``, commas and all).
+
+The value parsers below (:func:`number`, :func:`choice`) serve the parameters here and the
+options of the command line alike, so a bound reads the same wherever it is checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
-import networkx as nx
-import numpy as np
+Parse = Callable[[str], Any]
+N = TypeVar("N", int, float)
+S = TypeVar("S", bound="Spec")
 
-from topologies import graphs, schedules
-from topologies.graphs import TopologyError
-from topologies.weights import SCHEMES, Row, matrix, push_sum
 
-RANDOM_SCHEDULE_SAMPLES = 64  # rounds whose union gives a random schedule's diameter
+class SpecError(ValueError):
+    """A spelling that does not parse; the message names what is accepted instead."""
 
 
 @dataclass(frozen=True)
-class Family:
-    """One named topology: its builder and the parameters it accepts (name -> parser)."""
+class Params:
+    """What one name accepts: each parameter's parser, the positional one, the required ones."""
 
-    build: Callable[..., nx.Graph]
-    summary: str
-    params: Mapping[str, Callable[[str], Any]] = field(default_factory=dict)
-    directed: bool = False
-    time_varying: bool = False  # built per round: build(n, round, **params)
-    period: Callable[[int], int] | None = None  # rounds until a time-varying schedule repeats
-    expected_contraction: Callable[[int], float] | None = None  # set for random schedules
+    accepted: Mapping[str, Parse] = field(default_factory=dict)
+    positional: str | None = None
+    required: tuple[str, ...] = ()
 
 
-_SEEDED = {"seed": int}
-FAMILIES: dict[str, Family] = {
-    "ring": Family(graphs.ring, "cycle; degree 2"),
-    "torus": Family(graphs.torus, "2-D periodic grid; degree 4", {"rows": int}),
-    "exponential": Family(graphs.exponential, "i <-> i +- 2^k; degree ~2 log2 n"),
-    "directed-exponential": Family(
-        graphs.directed_exponential, "i -> i + 2^k; out-degree ~log2 n", directed=True
-    ),
-    "one-peer-exponential": Family(
-        schedules.one_peer_exponential,
-        "round r: i -> i + 2^(r mod log2 n); one peer per round",
-        directed=True,
-        time_varying=True,
-        period=schedules.one_peer_period,
-    ),
-    "hypercube": Family(graphs.hypercube, "bit-flip neighbours; n a power of two"),
-    "complete": Family(graphs.complete, "everyone; exact average in one round"),
-    "star": Family(graphs.star, "node 0 is the hub"),
-    "random-regular": Family(graphs.random_regular, "random d-regular", {"degree": int, **_SEEDED}),
-    "erdos-renyi": Family(graphs.erdos_renyi, "G(n, p), connected", {"p": float, **_SEEDED}),
-    "small-world": Family(graphs.small_world, "Watts-Strogatz", {"k": int, "p": float, **_SEEDED}),
-    "expander": Family(graphs.expander, "random near-Ramanujan d-regular", {"degree": int, **_SEEDED}),
-    "random-matching": Family(
-        schedules.random_matching,
-        "a random perfect matching per round; one peer per round",
-        dict(_SEEDED),
-        time_varying=True,
-        expected_contraction=schedules.random_matching_contraction,
-    ),
-    "file": Family(graphs.from_file, "file:PATH, an edge list or JSON adjacency", {"path": str}),
-}
-NAMES = tuple(name if name != "file" else "file:PATH" for name in FAMILIES)
+def parse_spec(text: str, choices: Mapping[str, Params], what: str) -> tuple[str, dict[str, Any]]:
+    """``(name, params)`` of ``text``; every value parsed by its parameter's parser."""
+    name, _, rest = text.strip().partition(":")
+    if name not in choices:
+        raise SpecError(f"unknown {what} {name!r}; choose one of {', '.join(spellings(choices))}")
+    accepted = choices[name]
+    params: dict[str, Any] = {}
+    for key, value in _items(rest, accepted):
+        if key not in accepted.accepted:
+            known = ", ".join(accepted.accepted) or "none"
+            raise SpecError(f"{name}: unknown parameter {key!r}; it takes: {known}")
+        try:
+            params[key] = accepted.accepted[key](value)
+        except ValueError as exc:
+            raise SpecError(f"{name}: {key}: {exc}") from None
+    missing = [key for key in accepted.required if key not in params]
+    if missing:
+        raise SpecError(f"{name}: needs {', '.join(missing)}, as in {spellings({name: accepted})[0]}")
+    return name, params
+
+
+def format_spec(name: str, params: Mapping[str, Any], accepted: Params) -> str:
+    """The spelling :func:`parse_spec` reads back as ``(name, params)``."""
+    items = [
+        _text(value) if key == accepted.positional else f"{key}={_text(value)}"
+        for key, value in sorted(params.items(), key=lambda kv: (kv[0] != accepted.positional, kv[0]))
+    ]
+    return name + (":" + ",".join(items) if items else "")
+
+
+def spellings(choices: Mapping[str, Params]) -> list[str]:
+    """How each name is written, its required positional value in capitals (``file:PATH``)."""
+    return [
+        f"{name}:{p.positional.upper()}" if p.positional in p.required else name
+        for name, p in choices.items()
+    ]
 
 
 @dataclass(frozen=True)
-class Topology:
-    """A named topology with its parameters, e.g. ``Topology.parse("random-regular:degree=4")``."""
+class Spec:
+    """A name with its parameters, spelt ``NAME:key=value,...``; a subclass says what it is
+    called in messages and which names exist: ``class Topology(Spec, what=..., choices=...)``."""
 
     name: str
     params: tuple[tuple[str, Any], ...] = ()
+    what: ClassVar[str]
+    choices: ClassVar[Mapping[str, Params]]
+
+    def __init_subclass__(cls, *, what: str, choices: Mapping[str, Params], **options: Any) -> None:
+        super().__init_subclass__(**options)
+        cls.what, cls.choices = what, choices
 
     @classmethod
-    def parse(cls, spec: str) -> Topology:
-        name, _, rest = spec.strip().partition(":")
-        if name not in FAMILIES:
-            raise TopologyError(f"unknown topology {name!r}; choose one of {', '.join(NAMES)}")
-        if name == "file":
-            if not rest:
-                raise TopologyError("file topology needs a path: file:PATH")
-            return cls(name, (("path", rest),))
-        params: dict[str, Any] = {}
-        accepted: dict[str, Callable[[str], Any]] = dict(FAMILIES[name].params)
-        if not FAMILIES[name].directed:
-            accepted["weights"] = str
-        for item in filter(None, rest.split(",")):
-            key, _, value = item.partition("=")
-            if key not in accepted:
-                known = ", ".join(accepted) or "none"
-                raise TopologyError(f"{name}: unknown parameter {key!r}; it takes: {known}")
-            try:
-                params[key] = accepted[key](value)
-            except ValueError:
-                raise TopologyError(f"{name}: {key}={value!r} is not a valid {key}") from None
-        if params.get("weights", "metropolis-hastings") not in SCHEMES:
-            raise TopologyError(f"{name}: weights must be one of {', '.join(SCHEMES)}")
+    def parse(cls: type[S], text: str) -> S:
+        """The one place a spelling becomes an object; :class:`SpecError` if it is not one."""
+        name, params = parse_spec(text, cls.choices, cls.what)
         return cls(name, tuple(sorted(params.items())))
 
-    def __str__(self) -> str:
-        if self.name == "file":
-            return f"file:{self.params[0][1]}"
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params) if self.params else "")
-
     @property
-    def family(self) -> Family:
-        return FAMILIES[self.name]
+    def options(self) -> dict[str, Any]:
+        return dict(self.params)
 
-    def period(self, n: int) -> int | None:
-        """Rounds after which the schedule repeats: 1 for a static graph, None for a random one."""
-        if self.family.expected_contraction:
-            return None
-        return max(1, self.family.period(n)) if self.family.period else 1
-
-    def graph(self, n: int, round: int = 0) -> nx.Graph:
-        """The graph of ``round`` on ``n`` nodes (the same for every round when static)."""
-        period = self.period(n)
-        return _graph(self, n, round % period if period else round)
-
-    def row(self, n: int, i: int, round: int = 0) -> Row:
-        """Node i's mixing row in ``round``: (own weight, {sender: weight})."""
-        graph = self.graph(n, round)
-        return push_sum(graph, i) if self.family.directed else self._scheme(graph, i)
-
-    def weights(self, n: int, round: int = 0) -> np.ndarray:
-        """The full mixing matrix W of ``round`` (row i is node i's row)."""
-        return matrix(self.graph(n, round), push_sum if self.family.directed else self._scheme)
-
-    def sends_to(self, n: int, i: int, round: int = 0) -> list[int]:
-        graph = self.graph(n, round)
-        return sorted(graph.successors(i) if self.family.directed else graph.neighbors(i))
-
-    def _scheme(self, graph: nx.Graph, i: int) -> Row:
-        return SCHEMES[dict(self.params).get("weights", "metropolis-hastings")](graph, i)
+    def __str__(self) -> str:
+        return format_spec(self.name, self.options, self.choices[self.name])
 
 
-@lru_cache(maxsize=256)
-def _graph(topology: Topology, n: int, round: int) -> nx.Graph:
-    if n < 1:
-        raise TopologyError(f"a topology needs at least one node, got {n}")
-    params = {k: v for k, v in topology.params if k != "weights"}
-    family = topology.family
-    graph = family.build(n, round, **params) if family.time_varying else family.build(n, **params)
-    return nx.freeze(graph)  # cached and shared: edits must raise
+def number(
+    kind: Callable[[str], N],
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    at_most: float | None = None,
+) -> Callable[[str], N]:
+    """A parser of a finite int or float within the given bounds; its ValueError says which."""
+    bounds = _bounds(above, at_least, below, at_most)
+    noun = "whole number" if kind is int else "number"
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text.strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not a {noun}") from None
+        within = (
+            (above is None or value > above)
+            and (at_least is None or value >= at_least)
+            and (below is None or value < below)
+            and (at_most is None or value <= at_most)
+        )
+        if not (math.isfinite(value) and within):
+            raise ValueError(f"must be {bounds or 'finite'}, got {value}")
+        return value
+
+    return parse
+
+
+def choice(names: Iterable[str]) -> Callable[[str], str]:
+    """A parser that accepts one of ``names``."""
+    known = tuple(names)
+
+    def parse(text: str) -> str:
+        if text not in known:
+            raise ValueError(f"choose one of {', '.join(known)}, not {text!r}")
+        return text
+
+    return parse
+
+
+def _bounds(above: float | None, at_least: float | None, below: float | None, at_most: float | None) -> str:
+    """``> 0``, ``>= 1``, ``in [0, 1)``...; empty when unbounded."""
+    low = f"({above:g}" if above is not None else f"[{at_least:g}" if at_least is not None else ""
+    high = f"{below:g})" if below is not None else f"{at_most:g}]" if at_most is not None else ""
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return (">= " if low[0] == "[" else "> ") + low[1:]
+    if high:
+        return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+    return ""
+
+
+def _items(rest: str, accepted: Params) -> list[tuple[str, str]]:
+    """``(key, value)`` pairs of what follows the colon; a bare first value is the positional."""
+    positional = accepted.positional
+    if not rest:
+        return []
+    only_positional = positional is not None and set(accepted.accepted) == {positional}
+    if only_positional and not rest.startswith(f"{positional}="):
+        return [(str(positional), rest)]
+    pairs = []
+    for index, item in enumerate(filter(None, rest.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals and index == 0 and positional is not None:
+            key, value = positional, item
+        pairs.append((key, value))
+    return pairs
+
+
+def _text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)

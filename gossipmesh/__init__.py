@@ -1,0 +1,59 @@
+"""gossipmesh: decentralized peer-to-peer training. The public API of a user's own training loop::
+
+    import gossipmesh
+
+    config = gossipmesh.node_config()                 # the daemon's options: flags, env, TOML
+    peer = gossipmesh.connect(config, model)          # joined, with --expect members
+    optimizer = config.gossip_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), peer)
+    # or: gossipmesh.GossipOptimizer(sgd, peer=peer, algorithm=gossipmesh.Algorithm.parse("sgp"))
+
+Strings become objects at one boundary, each type's ``parse`` (``Algorithm.parse("dpsgd:backup=1")``,
+``Topology.parse("ring")``, ``Codec.parse("int8")``, ``RobustRule.parse("clip")``); every
+constructor takes the objects. The programs live in subpackages: ``gossipmesh.daemon`` (a node's
+runtime), ``gossipmesh.mesh`` (the local test mesh), ``gossipmesh.cli`` (the command line),
+``gossipmesh.tasks`` (built-in tasks), ``gossipmesh.sim`` (the simulator), ``gossipmesh.config``.
+"""
+
+from gossip import (
+    Algorithm,
+    Codec,
+    GossipOptimizer,
+    GossipStatistics,
+    IncompatibleOptionsError,
+    PeerNetwork,
+    RobustRule,
+    consensus_distance,
+)
+from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
+from gossipmesh.daemon.peers import connect
+from gossipmesh.tasks import IID, Batches, DataPartition, Evaluation, Shard, Task, TaskRef, partition_indices
+from p2p import Peer
+from topologies import SpecError, Topology, member_order
+
+__all__ = [
+    "IID",
+    "Algorithm",
+    "Batches",
+    "Codec",
+    "ConfigError",
+    "DataPartition",
+    "Evaluation",
+    "GossipOptimizer",
+    "GossipStatistics",
+    "IncompatibleOptionsError",
+    "MeshConfig",
+    "NodeConfig",
+    "Peer",
+    "PeerNetwork",
+    "RobustRule",
+    "Shard",
+    "SpecError",
+    "Task",
+    "TaskRef",
+    "Topology",
+    "connect",
+    "consensus_distance",
+    "member_order",
+    "node_config",
+    "partition_indices",
+]

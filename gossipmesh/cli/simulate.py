@@ -1,0 +1,122 @@
+"""``gossipmesh simulate``: a mesh of N nodes running the real averaging code in virtual time.
+
+Pure averaging (``--model-size``, the default) starts every node from a random vector and
+charges each message as if it carried a model of that size; ``--task`` trains the task's real
+model on every node (small N). ``--algorithm allreduce`` is the ring-allreduce time model.
+Faults (``--crash``, ``--join``, ``--partition``) happen at given virtual times, in seconds
+from the start; each flag can be given several times.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+import torch
+
+from gossip import GossipOptimizer
+from gossipmesh.config import SimulateConfig
+from gossipmesh.sim.allreduce import RingAllreduce, ring_allreduce
+from gossipmesh.sim.network import Link, VirtualPeer
+from gossipmesh.sim.run import RoundPoint, SimResult, averaging, simulate, start_vectors
+from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, split_in_halves
+from gossipmesh.sim.training import model_nbytes, training
+
+TABLE_ROWS = 20  # rounds shown in the table (evenly spaced, the last one always)
+DEFAULT_MODEL_BYTES = 100_000_000  # about ResNet-50 in float32
+
+
+def run(config: SimulateConfig, out: TextIO = sys.stdout) -> int:
+    scenario = _scenario(config)
+    if isinstance(config.algorithm, RingAllreduce):
+        result = SimResult(
+            ring_allreduce(scenario, scenario.model_bytes or DEFAULT_MODEL_BYTES), 0.0, {}, 0, {}
+        )
+    else:
+        result = _gossip(config, scenario)
+    if config.json:
+        print(json.dumps(result.as_json()), file=out)
+    else:
+        _table(result, config, out)
+    _warn_after_the_end(scenario, result.rounds[-1].virtual_time_s)
+    return 0
+
+
+def _scenario(config: SimulateConfig) -> Scenario:
+    return Scenario(
+        nodes=config.nodes,
+        rounds=config.rounds,
+        compute=Compute(config.compute_ms / 1000, config.jitter, config.straggler or Stragglers()),
+        link=Link(config.latency / 1000, config.bandwidth * 1e9 / 8),
+        loss=config.loss,
+        model_bytes=None if config.task else (config.model_size or DEFAULT_MODEL_BYTES),
+        crashes=crash_waves(config.crash, config.nodes, config.seed),
+        joins=[join.at for join in config.join for _ in range(join.count)],
+        partitions=[split_in_halves(cut.start_s, cut.end_s, config.nodes) for cut in config.partition],
+        round_timeout=config.round_timeout,
+        seed=config.seed,
+    )
+
+
+def _warn_after_the_end(scenario: Scenario, end_s: float) -> None:
+    """Faults the run ended before did not happen: say so, and how to reach them."""
+    late = [
+        *(f"--crash at {crash.at_s:g} s" for crash in scenario.crashes if crash.at_s >= end_s),
+        *(f"--join at {at_s:g} s" for at_s in scenario.joins if at_s >= end_s),
+        *(f"--partition at {cut.start_s:g} s" for cut in scenario.partitions if cut.start_s >= end_s),
+    ]
+    if late:
+        print(
+            f"gossipmesh: warning: the run ended at {end_s:.3g} virtual s, before "
+            f"{', '.join(dict.fromkeys(late))}; raise --rounds to simulate that far",
+            file=sys.stderr,
+        )
+
+
+def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
+    algorithm, topology = config.algorithm, config.graph
+    assert not isinstance(algorithm, RingAllreduce)
+    if config.task is not None:
+        task = config.task.make()
+
+        def optimizer(model: torch.nn.Module, peer: VirtualPeer) -> GossipOptimizer:
+            return GossipOptimizer(
+                config.local_optimizer(model),
+                peer=peer,
+                algorithm=algorithm,
+                topology=topology,
+                round_timeout=config.round_timeout,
+                compression=config.compression,
+            )
+
+        build = training(task, config.nodes, optimizer, batch_size=config.batch_size, seed=config.seed)
+        return simulate(scenario, build, model_nbytes(task, config.seed))
+    vectors = start_vectors(config.nodes, config.seed)
+    build = averaging(vectors, algorithm, topology, config.round_timeout, config.compression)
+    return simulate(scenario, build, vectors[0].nbytes)
+
+
+def _table(result: SimResult, config: SimulateConfig, out: TextIO) -> None:
+    points = result.rounds
+    shown = sorted({points[i * (len(points) - 1) // max(TABLE_ROWS - 1, 1)].round for i in range(TABLE_ROWS)})
+    accuracy = any(p.accuracy is not None for p in points)
+    print(
+        f"{'round':>6} {'consensus':>11} {'virtual s':>10} {'MB/node':>10} {'nodes':>6}"
+        + ("  accuracy" if accuracy else ""),
+        file=out,
+    )
+    for point in (p for p in points if p.round in shown):
+        print(_row(point, accuracy), file=out)
+    where = f"{config.nodes} nodes, {config.algorithm}" + (
+        f" on {config.topology}" if config.topology else ""
+    )
+    print(f"simulated {where}: {len(points)} rounds in {result.sim_seconds:.2f} s", file=out)
+
+
+def _row(point: RoundPoint, accuracy: bool) -> str:
+    text = (
+        f"{point.round:>6} {point.consensus_distance:>11.3e} {point.virtual_time_s:>10.3f} "
+        f"{point.bytes_per_node / 1e6:>10.1f} {point.nodes:>6}"
+    )
+    return text + (f"  {point.accuracy:8.3f}" if accuracy and point.accuracy is not None else "")

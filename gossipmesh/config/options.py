@@ -1,0 +1,326 @@
+"""Every option of every command, declared once: its parser, help text, default and form.
+
+A config class (``gossipmesh.config.configs``) takes an option by naming a field after it:
+``lr: float = LR.field()``. The field name gives the flag (``--lr``), the environment variable
+(``GOSSIPMESH_LR``) and the TOML key (``lr``); the declaration gives the rest, so a command's
+``--help``, its env and file keys and its parsing all come from here. An option that several
+commands take (``--nodes``, ``--topology``, ``--seed``...) is declared once and reads the same in
+each; a command may only change its default (``NODES.field(default=64)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from gossip import ALGORITHMS, CODECS, Algorithm, Codec
+from gossipmesh.config import values
+from gossipmesh.config.values import Corruption
+from gossipmesh.logs import LOG_FORMATS
+from gossipmesh.tasks import IID, TASKS, DataPartition, TaskRef
+from p2p.membership import PROFILES
+from topologies import NAMES, Topology
+from topologies.spec import choice, number
+
+Form = Literal["value", "switch", "list", "positional"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """Args:
+    parse: text -> the typed value; a ValueError's message says what is expected.
+    help: one line for ``--help``.
+    default: the typed value when the option is not given.
+    metavar: the value's name in ``--help`` (default: the field name in capitals).
+    form: ``value`` (``--lr 0.1``), ``switch`` (``--insecure``; true/false in a file, 1/0 or
+        yes/no in the environment), ``list`` (repeatable and comma-separated), ``positional``.
+    none: the spelling that means None (``--robust none``).
+    """
+
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = None
+    metavar: str | None = None
+    form: Form = "value"
+    none: str | None = None
+
+    def field(self, *, default: Any = dataclasses.MISSING) -> Any:
+        """A config class's field for this option (``default`` replaces the declared one)."""
+        value = self.default if default is dataclasses.MISSING else default
+        if value is dataclasses.MISSING:  # a required positional
+            return dataclasses.field(metadata={"option": self})
+        return dataclasses.field(default=value, metadata={"option": self})
+
+    @property
+    def required(self) -> bool:
+        return self.default is dataclasses.MISSING
+
+    def read(self, text: str) -> Any:
+        """The typed value of one piece of text."""
+        if self.none is not None and text.strip() == self.none:
+            return None
+        return self.parse(text)
+
+    def text(self, value: Any) -> str | None:
+        """The spelling :meth:`read` reads back as ``value`` (None for an absent value)."""
+        if value is None:
+            return self.none
+        if isinstance(value, float):
+            return repr(value)
+        return str(value)
+
+
+def option_of(field: dataclasses.Field[Any]) -> Option:
+    option: Option = field.metadata["option"]
+    return option
+
+
+def flag(name: str) -> str:
+    """The flag of the option a config calls ``name``: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def truth(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
+def _switch(help: str) -> Option:
+    return Option(truth, help, default=False, form="switch")
+
+
+def _repeatable(parse: Callable[[str], Any], help: str, metavar: str | None = None) -> Option:
+    """An option given any number of times, or once with comma-separated values."""
+    return Option(parse, help, (), metavar, form="list")
+
+
+_POSITIVE = number(float, above=0)
+_AT_LEAST_ONE = number(int, at_least=1)
+_PORT = number(int, at_least=1, at_most=65535)
+
+# -- what a node trains, and how it averages --------------------------------------------------
+TASK = Option(
+    TaskRef.parse,
+    f"training task: {', '.join(TASKS)}, or your own as module:function",
+    TaskRef.parse("digits"),
+)
+PARTITION = Option(DataPartition.parse, "data split over nodes: iid or dirichlet:ALPHA (label skew)", IID)
+TOPOLOGY = Option(
+    Topology.parse,
+    "averaging graph, NAME or NAME:key=value,... (default: ring; one-peer-exponential for sgp): "
+    + ", ".join(NAMES),
+)
+ALGORITHM = Option(
+    Algorithm.parse,
+    f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}",
+    Algorithm("dpsgd"),
+)
+COMPRESSION = Option(
+    Codec.parse, f"codec for what choco sends: {', '.join(CODECS)}", Codec(), metavar="CODEC"
+)
+ROBUST = Option(
+    values.robust_rule,
+    "Byzantine-robust mixing (dpsgd): none, clip (self-centred clipping) or trimmed-mean; "
+    "':b=K' tolerates K bad neighbours (default 1)",
+    none="none",
+)
+STEPS = Option(_AT_LEAST_ONE, "local steps to train (default 600)", metavar="N")
+DURATION = Option(
+    _POSITIVE,
+    "train until this many seconds on the report clock (a mesh's start), instead of --steps",
+    metavar="S",
+)
+LR = Option(_POSITIVE, "SGD learning rate", 0.05)
+MOMENTUM = Option(number(float, at_least=0, below=1), "SGD momentum", 0.9)
+BATCH_SIZE = Option(_AT_LEAST_ONE, "examples per local step", 32)
+REFERENCE_BATCH = Option(
+    _AT_LEAST_ONE, "the batch size --lr is for: other batch sizes scale it in proportion", 32
+)
+SEED = Option(
+    number(int),
+    "seed of what is drawn at random: the model, data split, sampling (and the simulator's draws)",
+    0,
+)
+AVERAGE_EVERY = Option(_AT_LEAST_ONE, "local steps between gossip rounds (plain local SGD)", 1)
+LOCAL_STEPS = Option(
+    _AT_LEAST_ONE,
+    "DiLoCo: H local steps, then gossip and an outer Nesterov step on the mixed change "
+    "(for H of 10 and more: with a few steps the outer momentum compounds the inner one; "
+    "use --average-every there)",
+    metavar="H",
+)
+OUTER_LR = Option(_POSITIVE, "the outer learning rate with --local-steps", 0.7)
+OUTER_MOMENTUM = Option(
+    number(float, at_least=0, below=1), "the outer Nesterov momentum with --local-steps", 0.9
+)
+ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 2.0)
+COMPUTE_MS = Option(
+    number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0
+)
+STARTUP_TIMEOUT = Option(_POSITIVE, "longest wait for the bootstrap peers, s", 60.0)
+EVAL_INTERVAL = Option(_POSITIVE, "seconds between timeline points", 0.25)
+PROFILE = Option(choice(PROFILES), f"failure-detector timings: {', '.join(PROFILES)}", "local")
+DEVICE = Option(
+    values.device,
+    "torch device the model trains on: cpu, cuda or cuda:INDEX (nodes on different devices "
+    "gossip together; a GPU model is mixed through a pinned host copy)",
+    "cpu",
+)
+
+# -- one daemon --------------------------------------------------------------------------------
+LISTEN = Option(
+    values.endpoint,
+    "address to listen on (port 0: any free port)",
+    "tcp://0.0.0.0:7000",
+    metavar="tcp://HOST:PORT",
+)
+ADVERTISE = Option(
+    values.endpoint, "address peers dial (default: the listen address)", metavar="tcp://HOST:PORT"
+)
+BOOTSTRAP = _repeatable(
+    values.endpoint, "address of another node (repeat the flag, or comma-separate)", "tcp://HOST:PORT"
+)
+ID = Option(values.node_id, "node id (default: HOSTNAME-PORT)")
+BEACON = Option(
+    number(int, at_least=0, at_most=65535), "UDP port for LAN discovery beacons (0: off)", 0, metavar="PORT"
+)
+MESH_NAME = Option(str, "mesh name in beacons: only nodes of the same name join", "gossipmesh")
+EXPECT = Option(
+    number(int, at_least=0),
+    "wait for this many members (this one included), then all start at round 0; "
+    "0: join a running mesh, taking a member's training state",
+    0,
+    metavar="N",
+)
+KEYS = Option(
+    Path,
+    "folder with this node's CURVE key pair (ID.key_secret, or the only one there); "
+    "make one with: gossipmesh keygen DIR",
+    metavar="DIR",
+)
+TRUSTED = Option(
+    Path,
+    "folder of the public keys (*.key) of the nodes allowed in; re-read when it changes",
+    metavar="DIR",
+)
+INSECURE = _switch("run without CURVE: no encryption, no authentication (logged loudly)")
+STATE_DIR = Option(Path, "folder for checkpoints; the node resumes from the newest one there", metavar="DIR")
+CHECKPOINT_EVERY = Option(
+    _AT_LEAST_ONE, "with --state-dir: write a checkpoint every N steps (and on stop)", 100, metavar="N"
+)
+BYZANTINE = Option(
+    Corruption.parse,
+    "for tests and benchmarks: send corrupted models, scale:FACTOR or random:STD",
+    metavar="MODE",
+)
+REPORT = Option(Path, "write the run report (JSON) here")
+SAVE_PARAMS = Option(Path, "write the final flat parameters (.npy) here")
+SLOWDOWN = Option(number(float, at_least=1), "make every step this many times longer", 1.0)
+THREADS = Option(number(int, at_least=0), "torch compute threads (0: torch's default)", 0, metavar="N")
+PROGRESS = Option(
+    choice(("text", "json", "none")), "progress output: text (stderr), json (stdout lines), none", "text"
+)
+CLOCK_ORIGIN = Option(number(float), "wall-clock time (epoch s) the report's t counts from (set by the mesh)")
+METRICS_PORT = Option(_PORT, "serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)")
+LOG_FORMAT = Option(
+    choice(LOG_FORMATS), f"log lines on stderr: {' or '.join(LOG_FORMATS)} (one object per event)", "text"
+)
+
+# -- a local test mesh -------------------------------------------------------------------------
+NODES = Option(_AT_LEAST_ONE, "number of nodes", 4, metavar="N")
+MESH_SLOWDOWN = _repeatable(
+    values.per_rank(SLOWDOWN.parse, "FACTOR", "3:4"),
+    "RANK:FACTOR, make node RANK's steps FACTOR times longer (repeatable)",
+    "RANK:FACTOR",
+)
+NODE_BATCH = _repeatable(
+    values.per_rank(BATCH_SIZE.parse, "SIZE", "3:64"),
+    "RANK:SIZE, node RANK takes batches of SIZE (its lr scaled to match; repeatable)",
+)
+NODE_DEVICE = _repeatable(
+    values.per_rank(DEVICE.parse, "DEVICE", "0:cuda"),
+    "RANK:DEVICE, node RANK trains on DEVICE instead of --device (repeatable)",
+)
+MESH_BYZANTINE = _repeatable(
+    values.per_rank(BYZANTINE.parse, "MODE", "2:scale:-10"),
+    "RANK:MODE, node RANK sends corrupted models: scale:FACTOR or random:STD (repeatable)",
+)
+KILL = _repeatable(values.kill, "RANK@SECONDS: kill -9 node RANK at that time on the mesh clock (repeatable)")
+LEAVE = _repeatable(values.leave, "RANK@SECONDS: stop node RANK gracefully (SIGTERM) then (repeatable)")
+JOIN = _repeatable(
+    values.join, "COUNT@SECONDS: start COUNT new nodes then, joining through a live one (repeatable)"
+)
+PAUSE = _repeatable(
+    values.pause, "RANK@SECONDS:DURATION: stop node RANK (SIGSTOP) for DURATION s (repeatable)"
+)
+MESH_INSECURE = _switch("run the nodes without CURVE (by default the mesh makes a key pair per node)")
+MESH_REPORT = Option(Path, "report path (default: RUN_DIR/report.json)")
+RUN_DIR = Option(Path, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)")
+PLOT = Option(str, "report plot: auto (REPORT.png beside the report), none, or a PNG path", "auto")
+MESH_METRICS_PORT = Option(
+    _PORT, "node RANK serves /metrics, /healthz and /readyz on PORT+RANK (default: off)"
+)
+
+# -- the simulator -------------------------------------------------------------------------------
+SIMULATED_ALGORITHM = Option(
+    values.simulated_algorithm,
+    f"{ALGORITHM.help}; or allreduce, the ring-allreduce time model",
+    Algorithm("dpsgd"),
+    metavar="A",
+)
+MODEL_SIZE = Option(_AT_LEAST_ONE, "model size on the wire (default: 100 MB)", metavar="BYTES")
+SIMULATED_TASK = Option(TaskRef.parse, "train this task's real model on every node (small N)")
+STRAGGLER = Option(values.stragglers, "e.g. 0.05:4: 5%% of the nodes 4x slower", metavar="FRACTION:FACTOR")
+LATENCY = Option(number(float, at_least=0), "link latency", 1.0, metavar="MS")
+BANDWIDTH = Option(_POSITIVE, "link bandwidth", 10.0, metavar="GBPS")
+ROUNDS = Option(_AT_LEAST_ONE, "local steps per node", 30, metavar="R")
+JITTER = Option(number(float, at_least=0), "lognormal shape of step times", 0.0)
+LOSS = Option(number(float, at_least=0, below=1), "probability a message is lost", 0.0)
+CRASH = _repeatable(
+    values.crash,
+    "e.g. 0.1@2: 10%% of the nodes (drawn with the seed) crash 2 virtual s in; the others drop "
+    "them from the membership 1 s later (repeatable)",
+    "FRACTION@SECONDS",
+)
+SIMULATED_JOIN = _repeatable(
+    values.join,
+    "e.g. 8@3: 8 new nodes join 3 virtual s in, each starting from a live node's model (repeatable)",
+    "COUNT@SECONDS",
+)
+NETWORK_PARTITION = _repeatable(
+    values.window,
+    "e.g. 1:4: from 1 to 4 virtual s no message crosses between the first half of the nodes "
+    "(node-0 .. node-N/2-1) and the rest (joiners included) (repeatable)",
+    "START:END",
+)
+JSON = _switch("print the result as JSON")
+
+# -- inspecting topologies and reports, making keys ----------------------------------------------
+TOPOLOGY_NAME = Option(
+    Topology.parse,
+    f"NAME or NAME:key=value,...; one of {', '.join(NAMES)}",
+    metavar="NAME",
+    form="positional",
+)
+PARAM = _repeatable(values.key_value, "a parameter of the topology (repeatable)", "KEY=VALUE")
+PNG = Option(Path, "the PNG file to draw to (report: RUN.png beside RUN.json by default)", metavar="FILE")
+COMPARE = _switch("a table of every named topology")
+MODEL_BYTES = Option(_AT_LEAST_ONE, "model size for bytes per round (default: the digits MLP)", metavar="B")
+RUN = Option(
+    Path, "a report of gossipmesh mesh or node", dataclasses.MISSING, metavar="RUN.json", form="positional"
+)
+KEY_DIR = Option(
+    Path,
+    "folder for the key pair (created if missing)",
+    dataclasses.MISSING,
+    metavar="DIR",
+    form="positional",
+)
+KEY_NAME = Option(values.node_id, "file name of the pair (default: host name)")

@@ -1,0 +1,1 @@
+"""The daemon's runtime: the training loop, checkpoints, metrics, the status server."""

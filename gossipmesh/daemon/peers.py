@@ -1,0 +1,80 @@
+"""The node's network endpoint made from its config: one way for the daemon and for users' own
+training loops (``connect``) to become a member of a mesh."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+
+from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
+from gossipmesh.config import NodeConfig
+from gossipmesh.logs import NODE_LOGGER
+from p2p import Peer
+from p2p.address import split_endpoint
+from p2p.membership import PROFILES
+from p2p.security import Curve, insecure_warning
+from p2p.wire import Limits
+
+log = logging.getLogger(NODE_LOGGER)
+
+
+def make_peer(
+    config: NodeConfig,
+    model: torch.nn.Module,
+    *,
+    node_id: str,
+    clock: Callable[[], float] = time.monotonic,
+    first_round: int = 0,
+) -> Peer:
+    """A peer (not started) with the config's addresses, discovery and CURVE keys (none with
+    ``--insecure``, said loudly in the log), and messages limited to what this model needs."""
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    curve = None
+    if config.insecure:
+        log.warning(insecure_warning())
+    elif config.keys is not None and config.trusted is not None:
+        curve = Curve.load(config.keys, config.trusted, node_id)
+    return Peer(
+        node_id,
+        config.listen,
+        config.bootstrap,
+        advertise=config.advertise,
+        limits=Limits(max_message_bytes=max(model_bytes, STATE_CHUNK_BYTES)),
+        profile=PROFILES[config.profile],
+        clock=clock,
+        first_round=first_round,
+        beacon_port=config.beacon,
+        mesh_name=config.mesh_name,
+        curve=curve,
+    )
+
+
+def connect(config: NodeConfig, model: torch.nn.Module) -> Peer:
+    """A started peer that has joined the mesh and sees ``--expect`` members (all members
+    train from round 0, so start them together). Raises ``p2p.TransportError`` after
+    ``--startup-timeout`` with what to check."""
+    peer = make_peer(config, model, node_id=config.id or default_id(config.listen))
+    peer.start()
+    try:
+        peer.wait_ready(config.startup_timeout, expect=max(1, config.expect))
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
+def default_id(listen: str) -> str:
+    """HOSTNAME-PORT, made a valid node id."""
+    _, port = split_endpoint(listen)
+    return f"{default_name()}-{port or os.getpid()}"
+
+
+def default_name() -> str:
+    """This host's name, made valid as a node id (and a key file name)."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
+    return host.strip("-.") or "node"

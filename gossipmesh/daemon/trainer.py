@@ -1,0 +1,205 @@
+"""The training loop of one node: local steps through the gossip optimizer, paced, recorded.
+
+A node that starts with the mesh trains from round 0. A late joiner first takes a live
+member's state (parameters, optimizer buffers, counters) and starts a few rounds ahead of it;
+every node answers such requests between its steps. With a state folder the node checkpoints
+every few steps and when it stops, and a restarted node resumes from its newest checkpoint
+(then takes a live member's state only if that one has trained further).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from gossip.state import Snapshot
+from gossipmesh.config import NodeConfig
+from gossipmesh.console import emit, progress_line, say
+from gossipmesh.daemon.byzantine import ByzantinePeer
+from gossipmesh.daemon.checkpoint import Checkpoint, save_checkpoint
+from gossipmesh.daemon.metrics import NodeMetrics
+from gossipmesh.daemon.pacing import StepPacer
+from gossipmesh.daemon.recorder import Recorder
+from gossipmesh.report import Progress, TimelinePoint
+from gossipmesh.tasks import Batches, Task
+from p2p import Peer
+from topologies import member_order
+
+_LOSS_SMOOTHING = 0.9
+_TEXT_PROGRESS_EVERY_S = 1.0
+
+
+class Trainer:
+    """Runs one node's training and keeps its progress (steps, timeline, final model)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        task: Task,
+        model: torch.nn.Module,
+        peer: Peer,
+        rank: int,
+        clock: Callable[[], float],
+        metrics: NodeMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.model = model
+        self.peer = peer
+        self.rank = rank
+        self.clock = clock
+        self.progress = Progress()
+        self.train_loss = math.nan
+        self.lock = threading.Lock()
+        network = peer if config.byzantine is None else ByzantinePeer(peer, config.byzantine)
+        self.optimizer = config.gossip_optimizer(config.local_optimizer(model), network, lock=self.lock)
+        self.recorder = Recorder(
+            evaluate=lambda: task.evaluate(model),
+            progress=self._progress,
+            lock=self.lock,
+            clock=clock,
+            interval=config.eval_interval,
+            on_point=self._show,
+        )
+        self._last_text = -math.inf
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.training = self
+        self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
+        self._batches: Batches | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.progress.steps
+
+    @property
+    def evaluation(self) -> tuple[float, float] | None:
+        """Held-out (loss, accuracy) at the last timeline point."""
+        timeline = self.recorder.timeline
+        return (timeline[-1].loss, timeline[-1].accuracy) if timeline else None
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue from a checkpoint of this node: model, optimizer, counters, RNG, data order."""
+        tensors, counters = checkpoint.tensors, checkpoint.counters
+        model_state = {k: v for k, v in tensors.items() if k == "params" or k.startswith("optimizer.")}
+        self.optimizer.restore(Snapshot(model_state, {"local_steps": counters["local_steps"]}))
+        self.progress.steps = int(counters["steps"])
+        torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
+        self._sampler_at = (
+            torch.from_numpy(tensors["sampler.pass_start"].copy()),
+            int(counters["sampler_used"]),
+        )
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint to the state folder (see ``runtime.checkpoint``)."""
+        assert self.config.state_dir is not None and self._batches is not None
+        snapshot = self.optimizer.snapshot()
+        pass_start, used = self._batches.position()
+        tensors = {
+            **snapshot.tensors,
+            "rng.torch": torch.get_rng_state().numpy(),
+            "sampler.pass_start": pass_start.numpy(),
+        }
+        counters = {
+            "local_steps": self.optimizer.local_steps,
+            "round": self.optimizer.round,
+            "sampler_used": used,
+            "node_id": self.peer.node_id,
+        }
+        save_checkpoint(self.config.state_dir, self.progress.steps, tensors, counters)
+
+    def join_running_mesh(self) -> None:
+        """Take the state of a live member (the first other one in member order)."""
+        source = next(m for m in member_order(self.peer.members()) if m != self.peer.node_id)
+        first_round = self.optimizer.join_from(source, timeout=self.config.startup_timeout)
+        self.progress.steps = self.optimizer.local_steps
+        say(
+            self.config.progress,
+            f"{self.peer.node_id} took the state of {source}; trains from round {first_round}",
+        )
+
+    def run(self, stop: threading.Event) -> None:
+        config, progress = self.config, self.progress
+        members = len(self.peer.members())
+        shard = self.task.shard(self.rank, members, partition=config.partition, seed=config.seed)
+        progress.shard = shard.describe(config.partition)
+        pacer = StepPacer(config.compute_ms, config.slowdown)
+        budget = config.step_budget
+        deadline = config.duration if config.duration else math.inf  # on the report clock: a late
+        # joiner of a mesh stops when the others do
+        progress.t_first_step = round(self.clock(), 3)
+        self._batches = Batches(
+            shard, config.batch_size, seed=config.seed + self.rank, resume=self._sampler_at
+        )
+        checkpoints = config.state_dir is not None
+        self.recorder.start()
+        try:
+            for inputs, targets in self._batches:
+                if (
+                    stop.is_set()
+                    or (budget is not None and progress.steps >= budget)
+                    or self.clock() >= deadline
+                ):
+                    break
+                started = time.monotonic()
+                inputs, targets = inputs.to(config.device), targets.to(config.device)
+                loss = self.task.loss(self.model, inputs, targets)
+                self.optimizer.zero_grad()
+                loss.backward()
+                pacer.finish_step(started)
+                self.optimizer.step()
+                self.optimizer.serve_state()
+                progress.steps += 1
+                self._smooth(loss.item())
+                if self.metrics is not None:
+                    self._observe(self.metrics)
+                if checkpoints and progress.steps % config.checkpoint_every == 0:
+                    self.checkpoint()
+        finally:
+            self.optimizer.close()
+            self.peer.leave(after_round=self.optimizer.round - 1)
+            if checkpoints:
+                self.checkpoint()
+            final = self.recorder.stop()
+            progress.timeline = self.recorder.timeline
+            progress.final = {"loss": final.loss, "accuracy": final.accuracy}
+
+    def _smooth(self, loss: float) -> None:
+        if math.isnan(self.train_loss):
+            self.train_loss = loss
+        else:
+            self.train_loss = _LOSS_SMOOTHING * self.train_loss + (1 - _LOSS_SMOOTHING) * loss
+
+    def _observe(self, metrics: NodeMetrics) -> None:
+        metrics.beat()
+        if self.optimizer.local_steps % self.optimizer.average_every == 0:
+            metrics.observe_round(self.optimizer.phases.last)
+
+    def _progress(self) -> dict[str, Any]:
+        return {
+            "step": self.progress.steps,
+            "round": self.optimizer.round,
+            "train_loss": self.train_loss,
+            "bytes_sent": self.peer.stats.bytes_sent,
+            "consensus": self.optimizer.consensus_estimate,
+        }
+
+    def _show(self, point: TimelinePoint) -> None:
+        row = {
+            "id": self.peer.node_id,
+            "rank": self.rank,
+            **asdict(point),
+            "bytes_received": self.peer.stats.bytes_received,
+            "peers": max(len(self.peer.members()) - 1, 0),  # after leaving, this node is not one
+        }
+        if self.config.progress == "json":
+            emit(self.config.progress, {"event": "point", **row})
+        elif self.config.progress == "text" and point.t - self._last_text >= _TEXT_PROGRESS_EVERY_S:
+            self._last_text = point.t
+            say(self.config.progress, f"[{point.t:7.2f}s] {progress_line(row)}", event="progress", **row)

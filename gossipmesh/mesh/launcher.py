@@ -1,0 +1,261 @@
+"""The local test mesh: N daemons as separate OS processes on 127.0.0.1.
+
+Each node runs the daemon's own entry point (``gossipmesh node ...``) with a free port, one
+compute thread and the shared report clock. The first node starts the mesh; the others join
+through its address alone and wait until all N are members (``--expect N``), then all train from
+round 0. Unless ``--insecure``, the launcher makes a CURVE key pair per node and a trusted folder
+of their public keys (a joiner's key is added before it starts: nodes re-read the folder).
+The launcher reads the nodes' JSON progress lines into a live table, carries out the
+fault schedule (``--kill``, ``--leave``, ``--pause``, ``--join``), stops every node on Ctrl-C or
+SIGTERM, and merges the nodes' reports into one (adding the consensus distance of the final
+models).
+
+Nodes are forked from the launcher after it has imported what every node needs, as PyTorch's
+DataLoader forks its workers: on a machine with few cores, N fresh interpreters each importing
+torch would take longer than the training. The launcher runs no threads, so forking (also in the
+middle of a run, for ``--join``) is safe. Each node gets its own session, so a Ctrl-C in the
+terminal reaches only the launcher, which then stops the nodes gracefully.
+"""
+
+from __future__ import annotations
+
+import selectors
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from gossip import consensus_distance
+from gossipmesh import report_view
+from gossipmesh.config import MeshConfig, as_flags, summary
+from gossipmesh.config.values import ChaosAction
+from gossipmesh.console import LiveTable
+from gossipmesh.mesh.node_process import NodeMain, NodeProcess
+from gossipmesh.report import build_report, write_json
+from p2p.address import free_ports
+from p2p.security import keygen
+
+STOP_GRACE_S = 10.0
+_REFRESH_S = 0.25
+
+
+class Mesh:
+    """The processes of one local mesh and its fault schedule."""
+
+    def __init__(self, config: MeshConfig, node_main: NodeMain, run_dir: Path) -> None:
+        self.config = config
+        self.node_main = node_main
+        self.run_dir = run_dir
+        self.origin = time.time()
+        self.nodes: list[NodeProcess] = []
+        self.chaos: list[dict[str, Any]] = []  # what was done, on the mesh clock
+        self._selector = selectors.DefaultSelector()
+        self._slowdown = config.by_rank("slowdown")
+        self._batch = config.by_rank("node_batch")
+        self._byzantine = config.by_rank("byzantine")
+        self._device = config.by_rank("node_device")
+        self.trusted = run_dir / "trusted"
+
+    def clock(self) -> float:
+        return time.time() - self.origin
+
+    def start_node(self, port: int, bootstrap: str | None, *, expect: int) -> NodeProcess:
+        rank = len(self.nodes)
+        node = NodeProcess(rank, f"tcp://127.0.0.1:{port}", self.run_dir)
+        argv = [
+            "node",
+            "--id", node.id,
+            "--listen", node.address,
+            "--expect", str(expect),
+            "--report", str(node.report),
+            "--save-params", str(node.params),
+            "--progress", "json",
+            "--clock-origin", repr(self.origin),
+            "--slowdown", str(self._slowdown.get(rank, 1.0)),
+            "--threads", "1",
+            *(["--bootstrap", bootstrap] if bootstrap else []),
+            *as_flags(self.config),
+            *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
+            *(["--metrics-port", str(self.config.metrics_port + rank)] if self.config.metrics_port else []),
+            *(["--byzantine", str(self._byzantine[rank])] if rank in self._byzantine else []),
+            *(["--device", self._device[rank]] if rank in self._device else []),
+            *self._security_flags(node.id),
+        ]  # fmt: skip
+        node.start(self.node_main, argv)
+        self._selector.register(node.progress_fd, selectors.EVENT_READ, node)
+        self.nodes.append(node)
+        return node
+
+    def _security_flags(self, node_id: str) -> list[str]:
+        """--insecure, or a fresh key pair for the node with its public key made trusted."""
+        if self.config.insecure:
+            return ["--insecure"]
+        keys = self.run_dir / "keys" / node_id
+        public, _ = keygen(keys, node_id)
+        self.trusted.mkdir(exist_ok=True)
+        shutil.copy(public, self.trusted)
+        return ["--keys", str(keys), "--trusted", str(self.trusted)]
+
+    def live(self) -> list[NodeProcess]:
+        return [n for n in self.nodes if n.poll() is None and n.t_killed is None]
+
+    def act(self, action: ChaosAction) -> None:
+        t = round(self.clock(), 3)
+        if action.action == "join":
+            contacts = self.live()
+            for port in free_ports(action.count):
+                joiner = self.start_node(port, contacts[0].address if contacts else None, expect=0)
+                self.chaos.append({"t": t, "action": "join", "node": joiner.id})
+            return
+        node = self.nodes[action.rank] if action.rank < len(self.nodes) else None
+        if node is None or node.poll() is not None:
+            return
+        signals = {
+            "kill": signal.SIGKILL,
+            "leave": signal.SIGTERM,
+            "pause": signal.SIGSTOP,
+            "resume": signal.SIGCONT,
+        }
+        signum = signals[action.action]
+        if action.action == "kill":
+            node.t_killed = t
+        node.send_signal(signum)
+        self.chaos.append({"t": t, "action": action.action, "node": node.id})
+
+    def read_progress(self, timeout: float) -> None:
+        for key, _ in self._selector.select(timeout):
+            node: NodeProcess = key.data
+            if not node.read_available():
+                self._selector.unregister(key.fileobj)
+                node.close_progress()
+
+    def drain(self) -> None:
+        """Read every node's last progress lines (all have exited)."""
+        while self._selector.get_map():
+            self.read_progress(0.5)
+
+
+def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = None) -> int:
+    """Run the mesh to the end; returns 0 when every node finished or was killed on purpose.
+
+    ``node_main`` is the daemon's command-line entry point, called in each forked node.
+    """
+    stream = stream or sys.stdout
+    _preload_for_nodes()
+    run_dir = config.run_dir or Path("runs") / time.strftime("mesh-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    report_path = config.report or run_dir / "report.json"
+    print(
+        f"gossipmesh mesh: {config.nodes} nodes, {config.graph} topology, {config.algorithm}, "
+        f"task {config.task}; logs in {run_dir}",
+        file=stream,
+        flush=True,  # a buffered line would be written again by every forked node
+    )
+    mesh = Mesh(config, node_main, run_dir)
+    stop = threading.Event()
+    with _forward_termination(stop):
+        first_port, *other_ports = free_ports(config.nodes)
+        first = mesh.start_node(first_port, None, expect=config.nodes)
+        for port in other_ports:
+            mesh.start_node(port, first.address, expect=config.nodes)
+        _watch(mesh, config.chaos(), stop, LiveTable(stream, interactive=stream.isatty()))
+    results = [node.result() for node in mesh.nodes]
+    ended = [r for r in results if r["status"] in ("finished", "killed")]
+    finished = [n for n, r in zip(mesh.nodes, results, strict=True) if r["status"] == "finished"]
+    report = build_report(
+        wall_time_s=round(mesh.clock(), 3),
+        config=summary(config),
+        nodes=results,
+        consensus_distance=_consensus([n.params for n in finished if n.params.exists()]),
+        membership_events=[e for n in mesh.nodes for e in n.membership_events()],
+    )
+    report["chaos_events"] = mesh.chaos
+    write_json(report_path, report)
+    _print_summary(stream, mesh.nodes, results, report, report_path)
+    if config.plot != "none":
+        plot_path = report_path.with_suffix(".png") if config.plot == "auto" else Path(config.plot)
+        report_view.plot(report, plot_path)
+        print(f"plot: {plot_path}", file=stream, flush=True)
+    return 0 if len(ended) == len(results) else 1
+
+
+def _watch(mesh: Mesh, schedule: list[ChaosAction], stop: threading.Event, table: LiveTable) -> None:
+    """Until every node exits: read progress, run the fault schedule, refresh the table; on
+    ``stop``, terminate the nodes (and kill them after ``STOP_GRACE_S``)."""
+    pending = list(schedule)
+    kill_at = None
+    while pending or mesh.live():
+        while pending and pending[0].at <= mesh.clock() and not stop.is_set():
+            mesh.act(pending.pop(0))
+        if stop.is_set() and kill_at is None:
+            pending.clear()
+            kill_at = time.monotonic() + STOP_GRACE_S
+            for node in mesh.nodes:
+                node.send_signal(signal.SIGCONT)  # a paused node could not stop
+                node.send_signal(signal.SIGTERM)
+        if kill_at is not None and time.monotonic() > kill_at:
+            for node in mesh.nodes:
+                node.send_signal(signal.SIGKILL)
+        header = f"t = {mesh.clock():6.1f} s"
+        table.update([n.row for n in mesh.nodes], header=header)
+        wait = min(_REFRESH_S, max(0.0, pending[0].at - mesh.clock())) if pending else _REFRESH_S
+        mesh.read_progress(wait)
+    mesh.drain()
+    table.update([n.row for n in mesh.nodes], header=f"t = {mesh.clock():6.1f} s", force=True)
+
+
+@contextmanager
+def _forward_termination(stop: threading.Event) -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM set ``stop`` (the mesh then stops its nodes)."""
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _preload_for_nodes() -> None:
+    """Import once, before the mesh forks its nodes, what each would import: building the first
+    torch optimizer pulls in torch._dynamo, seconds of CPU per process."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+def _consensus(param_files: list[Path]) -> float | None:
+    if not param_files:
+        return None
+    vectors = [np.load(path, allow_pickle=False) for path in param_files]
+    return round(consensus_distance(vectors), 8)
+
+
+def _print_summary(
+    stream: TextIO,
+    nodes: list[NodeProcess],
+    results: list[dict[str, Any]],
+    report: dict[str, Any],
+    report_path: Path,
+) -> None:
+    accuracies = [r["final"]["accuracy"] for r in results if r["status"] == "finished"]
+    killed = sum(r["status"] == "killed" for r in results)
+    line = f"\nmesh done in {report['wall_time_s']:.1f} s: {len(accuracies)}/{len(nodes)} nodes finished"
+    line += f", {killed} killed" if killed else ""
+    if accuracies:
+        line += (
+            f"; held-out accuracy min {min(accuracies):.3f}, mean {np.mean(accuracies):.3f}; "
+            f"consensus distance {report['consensus_distance']:.2e}"
+        )
+    print(line, file=stream)
+    for node, result in zip(nodes, results, strict=True):
+        if result["status"] not in ("finished", "killed"):
+            print(f"  {node.id} {result['status']}: {result.get('error')}\n{node.log_tail()}", file=stream)
+    print(f"report: {report_path}", file=stream, flush=True)

@@ -1,0 +1,138 @@
+"""What a training task provides, and the pieces every task shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from topologies.spec import Params, Spec, number
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    loss: float
+    accuracy: float
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One node's training examples; ``labels``: what the partition split by (one per example;
+    default: the targets, when they are class labels)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def describe(self, partition: DataPartition) -> dict[str, Any]:
+        """The run report's account of this shard: partition, examples, examples per label."""
+        labels = self.labels if self.labels is not None else self.targets.numpy()
+        summary: dict[str, Any] = {"partition": str(partition), "examples": len(self)}
+        if labels.ndim == 1:
+            values, counts = np.unique(labels, return_counts=True)
+            summary["label_counts"] = {str(v): int(c) for v, c in zip(values, counts, strict=True)}
+        return summary
+
+
+class Task(Protocol):
+    name: str
+
+    def model(self, seed: int) -> nn.Module:
+        """A fresh model; the same seed gives the same weights on every node."""
+        ...
+
+    def shard(self, rank: int, num_shards: int, *, partition: DataPartition, seed: int) -> Shard:
+        """This node's part of the training data."""
+        ...
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module) -> Evaluation:
+        """Loss and accuracy on the held-out split every node shares."""
+        ...
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters are: a task's evaluate moves its held-out data there."""
+    return next(model.parameters()).device
+
+
+class Batches:
+    """Endless minibatches, reshuffled every pass over the shard, that can resume where they were:
+    :meth:`position` is the generator state at the start of the current pass and the examples
+    used in it, and ``Batches(..., resume=position)`` goes on from there."""
+
+    def __init__(
+        self, shard: Shard, batch_size: int, seed: int, resume: tuple[torch.Tensor, int] | None = None
+    ) -> None:
+        if len(shard) == 0:
+            raise ValueError("this node's shard has no examples; use fewer nodes or a larger ALPHA")
+        self._shard = shard
+        self._size = min(batch_size, len(shard))
+        self._generator = torch.Generator().manual_seed(seed)
+        self._pass_start = self._generator.get_state()
+        self._order = torch.randperm(len(shard), generator=self._generator)
+        self._used = 0
+        if resume is not None:
+            state, used = resume
+            self._generator.set_state(state)
+            self._new_pass()
+            self._used = used
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._used + self._size > len(self._order):
+            self._new_pass()
+        index = self._order[self._used : self._used + self._size]
+        self._used += self._size
+        return self._shard.inputs[index], self._shard.targets[index]
+
+    def position(self) -> tuple[torch.Tensor, int]:
+        return self._pass_start.clone(), self._used
+
+    def _new_pass(self) -> None:
+        self._pass_start = self._generator.get_state()
+        self._order = torch.randperm(len(self._shard), generator=self._generator)
+        self._used = 0
+
+
+_PARTITIONS = {
+    "iid": Params(),
+    "dirichlet": Params({"alpha": number(float, above=0)}, positional="alpha", required=("alpha",)),
+}
+
+
+@dataclass(frozen=True)
+class DataPartition(Spec, what="partition", choices=_PARTITIONS):
+    """How the training examples are split over nodes: ``iid`` (a seeded shuffle cut into equal
+    parts) or ``dirichlet:ALPHA`` (label skew: each class spread over the shards in proportions
+    drawn from Dirichlet(ALPHA); small ALPHA, more skew)."""
+
+
+IID = DataPartition("iid")
+
+
+def partition_indices(
+    labels: np.ndarray, num_shards: int, partition: DataPartition, seed: int
+) -> list[np.ndarray]:
+    """Split example indices into ``num_shards`` parts as ``partition`` says."""
+    rng = np.random.default_rng(seed)
+    if partition.name == "iid":
+        return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_shards)]
+    alpha = partition.options["alpha"]
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        cuts = (np.cumsum(rng.dirichlet([alpha] * num_shards)) * len(members)).astype(int)[:-1]
+        for shard, part in zip(shards, np.split(members, cuts), strict=True):
+            shard.extend(part.tolist())
+    return [np.sort(np.array(s, dtype=np.int64)) for s in shards]
