@@ -3,8 +3,9 @@
 ``Codec``...), never the text it came from.
 
 A group checks what its options say together in ``__post_init__`` (each value was checked on its
-own when it was read); the rules about which algorithm goes with which graph, codec and robust
-rule live with the algorithms (``gossip.Algorithm.check``) and are only called from here.
+own when it was read), raising :class:`ConfigError`; the rules about which algorithm goes with
+which graph, codec and robust rule live with the algorithms (``gossip.Algorithm.check``, raising
+``IncompatibleOptionsError``, which ``gossipmesh.config.load`` reports as a ConfigError).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gossip import Algorithm, Codec, GossipOptimizer, IncompatibleOptionsError, PeerNetwork, RobustRule
+from gossip import Algorithm, Codec, GossipOptimizer, PeerNetwork, RobustRule
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -78,10 +79,7 @@ class Averaging(Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        try:
-            self.algorithm.check(topology=self.topology, codec=self.compression, robust=self.robust)
-        except IncompatibleOptionsError as exc:
-            raise ConfigError(str(exc)) from None
+        self.algorithm.check(topology=self.topology, codec=self.compression, robust=self.robust)
         check(
             self.local_steps is None or self.average_every == 1,
             "--local-steps",
@@ -277,10 +275,7 @@ class SimulateConfig(LocalSGD):
                 "--algorithm allreduce is a time model without faults; simulate a gossip algorithm",
             )
         else:
-            try:
-                self.algorithm.check(topology=self.topology, codec=self.compression)
-            except IncompatibleOptionsError as exc:
-                raise ConfigError(str(exc)) from None
+            self.algorithm.check(topology=self.topology, codec=self.compression)
         crashed = [round(fraction * self.nodes) for fraction, _ in self.crash]
         check(
             all(count >= 1 for count in crashed),

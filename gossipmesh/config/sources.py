@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gossip import IncompatibleOptionsError
 from gossipmesh.config.configs import ConfigError, NodeConfig, Options, TrainConfig
 from gossipmesh.config.options import Option, flag, option_of
 
@@ -83,7 +84,8 @@ def load(
     env: Mapping[str, str] | None = None,
     config_file: Path | None = None,
 ) -> Config:
-    """``config`` from defaults < ``config_file`` < ``env`` < ``flags`` (each value parsed)."""
+    """``config`` from defaults < ``config_file`` < ``env`` < ``flags`` (each value parsed);
+    ConfigError naming the option for a bad value or combination."""
     fields = {f.name: f for f in dataclasses.fields(config)}
     values: dict[str, Any] = {}
     if config_file is not None:
@@ -99,7 +101,10 @@ def load(
         if name in fields:
             option = option_of(fields[name])
             values[name] = _read(option, raw, name if option.form == "positional" else flag(name))
-    return config(**values)
+    try:
+        return config(**values)
+    except IncompatibleOptionsError as exc:  # the message names the flags already
+        raise ConfigError(str(exc)) from None
 
 
 def from_namespace(config: type[Config], args: argparse.Namespace, env: Mapping[str, str] | None) -> Config:

@@ -25,13 +25,6 @@ from p2p.address import check_node_id, parse_endpoint
 from topologies.spec import Params, Spec, SpecError, number
 
 Value = TypeVar("Value")
-CHAOS_FLAGS = {
-    "kill": "--kill",
-    "leave": "--leave",
-    "pause": "--pause",
-    "resume": "--pause",
-    "join": "--join",
-}
 
 
 @dataclass(frozen=True, order=True)
@@ -47,7 +40,8 @@ class ChaosAction:
 
     @property
     def flag(self) -> str:
-        return CHAOS_FLAGS[self.action]
+        """The flag that schedules it (a resume is half of a ``--pause``)."""
+        return "--pause" if self.action == "resume" else f"--{self.action}"
 
     def __str__(self) -> str:
         """The flag's spelling of this action (``3@10``, ``2@5:0.8``, ``2@15``)."""

@@ -97,7 +97,7 @@ class Trainer:
         )
 
     def checkpoint(self) -> None:
-        """Write a checkpoint to the state folder (see ``runtime.checkpoint``)."""
+        """Write a checkpoint to the state folder (see ``gossipmesh.daemon.checkpoint``)."""
         assert self.config.state_dir is not None and self._batches is not None
         snapshot = self.optimizer.snapshot()
         pass_start, used = self._batches.position()

@@ -1,6 +1,7 @@
 """A simulator of large meshes: the real averaging algorithms on a virtual network, in virtual time.
 
-``sim.clock`` schedules the nodes, ``sim.network`` is the peer interface with latency, bandwidth,
-loss, partitions and crashes, ``sim.scenario`` says what to simulate, ``sim.run`` runs it,
-``sim.allreduce`` is the ring-allreduce reference and ``sim.training`` a real-task workload.
+``clock`` schedules the nodes, ``network`` is the peer interface with latency, bandwidth, loss,
+partitions and crashes, ``scenario`` says what to simulate, ``run`` runs it, ``allreduce`` is
+the ring-allreduce reference and ``training`` a real-task workload. ``memory`` is the same peer
+interface in real time with exact membership: the in-memory network of the tests.
 """

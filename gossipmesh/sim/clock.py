@@ -49,7 +49,7 @@ class SimThread:
         if not self.clock.closed:
             raise RuntimeError(
                 f"{self.name}: join simulated background work after VirtualClock.run has returned "
-                "(sim.run closes every averager then)"
+                "(gossipmesh.sim.run closes every averager then)"
             )
         if not self.glet.dead:
             self.glet.throw()

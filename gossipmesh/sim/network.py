@@ -3,10 +3,10 @@
 A message leaves its sender's uplink in order (one at a time, each taking bytes / bandwidth of the
 link it goes over) and arrives ``latency`` later: a lone message takes latency + bytes / bandwidth,
 and a node sending to many neighbours pays for each copy. Downlinks are not modelled. Membership is
-exact, as on the in-memory network (``p2p.memory.Roster``), except that a crashed node stays a
+exact, as on the in-memory network (``gossipmesh.sim.memory.Roster``), except that a crashed node stays a
 member until the others would have detected it (``detect_s``).
 
-Only one simulated thread runs at a time (``sim.clock``), so sends, loss draws and deliveries
+Only one simulated thread runs at a time (``gossipmesh.sim.clock``), so sends, loss draws and deliveries
 happen in one deterministic order. A node's background work (AD-PSGD's exchanger) is a
 coroutine on the clock too, and stops with its node.
 """
