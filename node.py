@@ -145,7 +145,7 @@ def _save(
     config: NodeConfig, record: NodeRecord, model: torch.nn.Module, peer: Peer, wall_time_s: float
 ) -> None:
     if config.save_params is not None:
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
         _save_array(config.save_params, flat)
     if config.report is not None:
         report = build_report(

@@ -1,5 +1,5 @@
 """Your own model in your own training loop, averaged with a mesh: two lines differ from a
-local loop (``connect`` and ``GossipOptimizer``).
+local loop (``gossipmesh.connect`` and ``config.gossip_optimizer``).
 
 Run two nodes (options are those of ``gossipmesh node``: flags, GOSSIPMESH_* or --config)::
 
@@ -92,11 +92,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     before = task.evaluate(model)
 
     peer = gossipmesh.connect(config, model)  # joined, with --expect members
-    optimizer = gossipmesh.GossipOptimizer(
-        torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum),
-        peer=peer,
-        algorithm=config.algorithm,  # typed: an Algorithm, a Topology (parsed from the flags)
-        topology=config.graph,
+    # your optimizer, averaging as the flags say (--algorithm, --topology, --compression...)
+    optimizer = config.gossip_optimizer(
+        torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum), peer
     )
 
     members = gossipmesh.member_order(peer.members())

@@ -53,7 +53,7 @@ COMMANDS = {
     "simulate": Command(
         SimulateConfig,
         "simulate a mesh of N nodes (thousands) in virtual time, with the real gossip code",
-        simulate.__doc__ or "",
+        (simulate.__doc__ or "").replace("``", ""),
         files=True,
     ),
     "topology": Command(
