@@ -1,4 +1,11 @@
-"""The training-loop wrapper: a local optimizer step, then a gossip round every few steps."""
+"""The training-loop wrapper: a local optimizer step, then a gossip round every few steps.
+
+:class:`GossipOptimizer` is a ``torch.optim.Optimizer`` whose parameter groups and state are the
+wrapped optimizer's own, so learning-rate schedulers, per-group options, ``GradScaler``, gradient
+clipping and trainers that take an optimizer (Hugging Face's ``Trainer(optimizers=...)``) drive
+it as they drive any torch optimizer; its ``state_dict`` is the wrapped one's plus a ``"gossip"``
+entry (the counters and the outer step's buffers).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +33,7 @@ from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_req
 from topologies import Topology
 
 DPSGD_ALGORITHM = Algorithm("dpsgd")
+GOSSIP_STATE = "gossip"  # the key of the gossip state in GossipOptimizer.state_dict()
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
 CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
 
@@ -43,11 +52,17 @@ class GossipStatistics:
     consensus: float | None  # the latest consensus estimate (see GossipOptimizer)
 
 
-class GossipOptimizer:
-    """Drop-in for a torch optimizer in a decentralized mesh::
+class GossipOptimizer(torch.optim.Optimizer):
+    """A torch optimizer for a decentralized mesh: the wrapped optimizer's step, then a gossip
+    round every ``average_every`` steps::
 
-        opt = GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), peer=peer)
-        loss.backward(); opt.step(); opt.zero_grad()
+        opt = GossipOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), peer=peer)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+        loss.backward(); opt.step(); scheduler.step(); opt.zero_grad()
+
+    ``param_groups`` and ``state`` are the wrapped optimizer's (a scheduler's learning rate is
+    the one the local step uses); parameters cannot be added after construction, since they
+    live in the flat buffer gossip averages.
 
     ``phases`` tells where the time of each round went (see ``gossip.phases``), and
     ``consensus_estimate`` how far apart this node and its neighbours are: the relative change
@@ -101,6 +116,9 @@ class GossipOptimizer:
     ) -> None:
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # torch's hooks and step profiling
+        self.param_groups = optimizer.param_groups  # the same groups and state as the wrapped one
+        self.state = optimizer.state
         self.optimizer = optimizer
         self.peer = peer
         self.average_every = average_every
@@ -135,7 +153,9 @@ class GossipOptimizer:
         self._rounds_at_start = 0
         self._started: float | None = None
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """The wrapped optimizer's step (with ``closure``, as torch's), then a gossip round when
+        one is due; returns what the wrapped step returned."""
         if self._started is None:
             self._started = self.peer.now()
         background = self.averager.mixes_in_background
@@ -191,6 +211,47 @@ class GossipOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "flat"):  # (torch's own __init__ adds the wrapped groups)
+            raise ValueError(
+                "a GossipOptimizer averages the parameters it was built with; give the wrapped "
+                "optimizer every parameter group before wrapping it"
+            )
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict, with the gossip state under ``"gossip"``: the
+        local-step and round counters and, with an outer step, its anchor and momentum."""
+        state = super().state_dict()  # the wrapped optimizer's groups and state (shared)
+        gossip: dict[str, Any] = {"local_steps": self.local_steps, "round": self.averager.round}
+        if self.outer is not None:
+            gossip["outer_anchor"] = torch.from_numpy(self.outer.anchor.copy())
+            gossip["outer_velocity"] = torch.from_numpy(self.outer.velocity.copy())
+        state[GOSSIP_STATE] = gossip
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (load the model's own state dict first: the parameters
+        come from the model). The node continues from the saved round; a state dict of the
+        wrapped optimizer alone (no ``"gossip"``) keeps the counters as they are."""
+        state = dict(state_dict)
+        gossip = state.pop(GOSSIP_STATE, None)
+        super().load_state_dict(state)
+        # torch made new group and state objects: the wrapped optimizer takes them (and its defaults)
+        self.optimizer.__setstate__({"state": self.state, "param_groups": self.param_groups})
+        if gossip is None:
+            return
+        with self._lock:
+            self.flat.copy_to_host()
+            self.local_steps = int(gossip["local_steps"])
+            self.averager.restart(int(gossip["round"]))
+            self._rounds_at_start = self.averager.round
+            if self.outer is not None:
+                self.outer.reset(self.flat.array)
+                if "outer_anchor" in gossip:
+                    np.copyto(self.outer.anchor, gossip["outer_anchor"].numpy())
+                    np.copyto(self.outer.velocity, gossip["outer_velocity"].numpy())
 
     @property
     def round(self) -> int:
