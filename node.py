@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gossip.flat import host_vector
 from gossipmesh import logs
 from gossipmesh.cli import main as cli_main
 from gossipmesh.cli.main import USER_ERRORS
@@ -59,7 +60,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     if config.threads:
         torch.set_num_threads(config.threads)
     task = config.task.make()
-    model = task.model(config.seed).to(config.device)
+    model = config.dtype.apply(task.model(config.seed)).to(config.device)
     node_id = config.id or default_id(config.listen)
     if config.insecure:
         say(config.progress, f"WARNING: {insecure_warning()}")
@@ -145,8 +146,7 @@ def _save(
     config: NodeConfig, record: NodeRecord, model: torch.nn.Module, peer: Peer, wall_time_s: float
 ) -> None:
     if config.save_params is not None:
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
-        _save_array(config.save_params, flat)
+        _save_array(config.save_params, host_vector(model.parameters()))
     if config.report is not None:
         report = build_report(
             wall_time_s=round(wall_time_s, 3),

@@ -25,6 +25,7 @@ import numpy as np
 
 from gossip.averager import Averager, Needs
 from gossip.network import Envelope, PeerNetwork
+from gossip.vector import Layout
 from topologies import Topology, pair_partner
 
 REQUEST, REPLY = "pair_request", "pair_reply"
@@ -47,6 +48,7 @@ class ADPSGD(Averager):
         topology: Topology,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        layout: Layout | None = None,
         max_staleness: int = 1000,
         interval_s: float = 0.005,
     ) -> None:
@@ -57,6 +59,7 @@ class ADPSGD(Averager):
             round_timeout=round_timeout,
             lock=lock,
             max_staleness=max_staleness,
+            layout=layout,
         )
         self.interval_s = interval_s
         self.exchanges = 0
@@ -91,7 +94,7 @@ class ADPSGD(Averager):
         exchange = next(self._exchange_ids)
         with self.lock:
             mine = self.params.copy()
-        self.peer.send(partner, REQUEST, self.round, [mine], {"exchange": exchange})
+        self.peer.send(partner, REQUEST, self.round, self.layout.pack(mine), {"exchange": exchange})
         deadline = self.peer.now() + self.wait_limit()
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, self.kinds)
@@ -124,12 +127,13 @@ class ADPSGD(Averager):
         with self.lock:
             before = self.params.copy()
             self._take_mean(request)
-        self.peer.send(request.sender, REPLY, version, [before], {"exchange": request.meta.get("exchange")})
+        meta = {"exchange": request.meta.get("exchange")}
+        self.peer.send(request.sender, REPLY, version, self.layout.pack(before), meta)
 
     def _take_mean(self, message: Envelope) -> None:
         """Replace our model with the mean of it and the message's (the caller holds the lock,
         so the exchange is atomic)."""
-        self.params += message.tensors[0]
+        self.layout.add_scaled(self.params, message.tensors, 1.0, self._scratch)
         self.params *= 0.5
         with self._version_lock:
             self.round = max(self.round, message.round)

@@ -37,6 +37,7 @@ from gossip.dpsgd import DPSGD
 from gossip.network import PeerNetwork
 from gossip.robust import RobustRule
 from gossip.sgp import SGP
+from gossip.vector import Layout
 from topologies import Params, Spec, Topology
 from topologies.spec import number
 
@@ -127,8 +128,10 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         lock: AbstractContextManager[object] | None,
         codec: Codec | None = None,
         robust: RobustRule | None = None,
+        layout: Layout | None = None,
     ) -> Averager:
-        """The averager, after :meth:`check`."""
+        """The averager, after :meth:`check`; ``layout``: how the model's values go on the wire
+        (see ``gossip.vector.Layout``)."""
         self.check(topology=topology, codec=codec, robust=robust)
         family = self.family
         options: dict[str, Any] = {family.renamed.get(k, k): v for k, v in self.params}
@@ -144,6 +147,7 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
             topology=topology or self.default_topology,
             round_timeout=round_timeout,
             lock=lock,
+            layout=layout,
             **options,
         )
 

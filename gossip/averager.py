@@ -20,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 
 from gossip.network import Envelope, PeerNetwork
-from gossip.vector import all_finite, scratch_for
+from gossip.vector import Layout, all_finite, scratch_for
 from topologies import FAMILIES, MixingRow, Topology, mixing_row
 
 WAIT_FACTOR = 10.0
@@ -96,6 +96,9 @@ class Averager:
             see half an update.
         max_staleness: the oldest message (in rounds behind this node) that is still mixed in;
             older ones are dropped and counted.
+        layout: how model values go on the wire (``FlatParameters.layout``: bfloat16 buckets
+            in 2 bytes); None: the vector as it is. Algorithms that send other values than the
+            model's (push-sum numerators, CHOCO's replicas) send them as the vector is.
     """
 
     name: ClassVar[str]  # as --algorithm spells it
@@ -113,10 +116,13 @@ class Averager:
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
         max_staleness: int = 0,
+        layout: Layout | None = None,
     ) -> None:
         self.needs.check_graph(self.name, topology)
         self.peer = peer
         self.params = params
+        self.vector_layout = Layout.of(params)  # the vector as it is (push-sum shares, replicas)
+        self.layout = layout or self.vector_layout  # model values as the model holds them
         self.topology = topology
         self.round_timeout = round_timeout
         self.lock = lock if lock is not None else contextlib.nullcontext()
@@ -190,17 +196,19 @@ class Averager:
             self.fallback_rounds += 1
         return row
 
-    def _valid(self, message: Envelope, shapes: int = 1) -> bool:
-        """Check a message before any of it is used: kind, tensor count, dtype and shape of
-        the first tensor against the model, finiteness. Counts what is wrong."""
+    def _valid(self, message: Envelope, layout: Layout | None = None, extra: int = 0) -> bool:
+        """Check a message before any of it is used: kind, that its first tensors are a vector
+        of ``layout`` (default: model values, :attr:`layout`) followed by ``extra`` others,
+        finiteness. Counts what is wrong."""
+        layout = layout or self.layout
         problem = None
         if message.kind not in self.kinds:
             problem = "unexpected_kind"
-        elif len(message.tensors) != shapes:
+        elif len(message.tensors) != len(layout.buckets) + extra:
             problem = "tensor_count"
-        elif message.tensors[0].dtype != self.params.dtype or message.tensors[0].shape != self.params.shape:
-            problem = "tensor_mismatch"
-        elif not all(all_finite(t) for t in message.tensors):
+        else:
+            problem = layout.problem(message.tensors[: len(layout.buckets)])
+        if problem is None and not all(all_finite(t) for t in message.tensors):
             problem = "non_finite"
         if problem is not None:
             self.rejected[problem] += 1

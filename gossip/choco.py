@@ -43,7 +43,7 @@ from gossip.arrays import Array, array_module, to_device, to_host
 from gossip.averager import Averager, Needs, RoundStats
 from gossip.compression import Codec, CodecError, Sparse
 from gossip.network import Envelope, PeerNetwork
-from gossip.vector import add_scaled
+from gossip.vector import Layout, add_scaled
 from topologies import MixingRow, Topology
 
 KIND = "choco"
@@ -111,11 +111,14 @@ class CHOCO(Averager):
         codec: Codec,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        layout: Layout | None = None,
         gamma: float | None = None,
     ) -> None:
         if params.dtype != np.float32:
             raise ValueError(f"CHOCO's codecs work on float32 parameters, not {params.dtype}")
-        super().__init__(peer, params, topology=topology, round_timeout=round_timeout, lock=lock)
+        super().__init__(
+            peer, params, topology=topology, round_timeout=round_timeout, lock=lock, layout=layout
+        )
         self.codec = codec
         self.gamma = default_gamma(codec) if gamma is None else gamma
         if not 0 < self.gamma <= 1:
@@ -185,7 +188,7 @@ class CHOCO(Averager):
             self.full_copies_sent += 1
             return
         if message.kind == FULL:
-            if self._valid(message):
+            if self._valid(message, self.vector_layout):
                 self._heard_from(sender)
                 replica = self._replicas.setdefault(sender, _Replica())
                 replica.value = array_module(self.params).array(message.tensors[0], dtype=self.params.dtype)

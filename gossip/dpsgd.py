@@ -37,7 +37,7 @@ import numpy as np
 from gossip.averager import Averager, Needs, RoundStats
 from gossip.network import Envelope, PeerNetwork
 from gossip.robust import RobustRule
-from gossip.vector import add_scaled
+from gossip.vector import Frames, Layout
 from topologies import MixingRow, Topology
 
 KIND = "params"
@@ -65,6 +65,7 @@ class DPSGD(Averager):
         topology: Topology,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        layout: Layout | None = None,
         max_staleness: int = 0,
         backup: int = 0,
         overlap: int = 0,
@@ -78,6 +79,7 @@ class DPSGD(Averager):
             round_timeout=round_timeout,
             lock=lock,
             max_staleness=max_staleness,
+            layout=layout,
         )
         if overlap not in (0, 1):
             raise ValueError(f"dpsgd overlap is 0 or 1 round, got {overlap}")
@@ -86,8 +88,8 @@ class DPSGD(Averager):
         self._sent: dict[int, np.ndarray] = {}  # own values of rounds whose mixing is to come
         self.robust = robust
         self._max_ahead = max_rounds_ahead
-        self._early: defaultdict[int, dict[str, np.ndarray]] = defaultdict(dict)
-        self._recent: dict[str, tuple[int, np.ndarray]] = {}  # newest late value of each sender
+        self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
+        self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
 
     def after_step(self) -> RoundStats:
         return self.average()
@@ -103,8 +105,9 @@ class DPSGD(Averager):
         r = self.round
         sending = self._row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
+        frames = self.layout.pack(snapshot)
         for target in sending.send_to:
-            self.peer.send(target, KIND, r, [snapshot])
+            self.peer.send(target, KIND, r, frames)
         self.round += 1
         mixed = r - self.overlap
         own = self._sent.pop(mixed, None) if self.overlap else snapshot
@@ -124,8 +127,8 @@ class DPSGD(Averager):
                 self.params += snapshot
         return RoundStats(mixed, len(row.receive_from), len(values), wait_s, row.topology)
 
-    def _gather(self, r: int, row: MixingRow) -> dict[str, tuple[np.ndarray, int]]:
-        """Neighbours' values for round r as (value, age in rounds)."""
+    def _gather(self, r: int, row: MixingRow) -> dict[str, tuple[Frames, int]]:
+        """Neighbours' values for round r as (frames, age in rounds)."""
         got = self._early.pop(r, {})
         neighbours = set(row.receive_from)
         enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
@@ -153,7 +156,7 @@ class DPSGD(Averager):
                 values[j] = (self._recent[j][1], r - self._recent[j][0])
         return values
 
-    def _file(self, message: Envelope, r: int, got: dict[str, np.ndarray]) -> None:
+    def _file(self, message: Envelope, r: int, got: dict[str, Frames]) -> None:
         """Keep a neighbour's value for its round, or as its newest late value, or count why not."""
         if not self._valid(message):
             return
@@ -162,22 +165,26 @@ class DPSGD(Averager):
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
         elif message.round == r:
-            got[sender] = message.tensors[0]
+            got[sender] = message.tensors
             self.staleness.add(0)
         elif message.round > r:
-            self._early[message.round][sender] = message.tensors[0]
+            self._early[message.round][sender] = message.tensors
         elif r - message.round > self.max_staleness:
             self.dropped["stale"] += 1
         elif message.round > self._recent.get(sender, (-1, None))[0]:
-            self._recent[sender] = (message.round, message.tensors[0])
+            self._recent[sender] = (message.round, message.tensors)
 
-    def _mix(self, own: np.ndarray, row: MixingRow, values: dict[str, tuple[np.ndarray, int]]) -> None:
-        """Renormalise the row over the values that came, discount old ones, mix."""
+    def _mix(self, own: np.ndarray, row: MixingRow, values: dict[str, tuple[Frames, int]]) -> None:
+        """Renormalise the row over the values that came, discount old ones, mix (in the
+        vector's dtype: narrower frames are widened)."""
         total = row.self_weight + sum(row.receive_from[j] for j in values)
         weights = {j: row.receive_from[j] / total / (1 + age) for j, (_, age) in values.items()}
         if self.robust is not None:
-            self.robust.mix(own, {j: (theirs, weights[j]) for j, (theirs, _) in values.items()}, self.params)
+            vectors = {
+                j: (self.layout.unpack(frames, own.dtype), weights[j]) for j, (frames, _) in values.items()
+            }
+            self.robust.mix(own, vectors, self.params)
             return
         np.multiply(own, 1.0 - sum(weights.values()), out=self.params)
-        for sender, (theirs, _) in values.items():
-            add_scaled(self.params, theirs, weights[sender], self._scratch)
+        for sender, (frames, _) in values.items():
+            self.layout.add_scaled(self.params, frames, weights[sender], self._scratch)

@@ -1,10 +1,15 @@
-"""One flat buffer per model: a message is one contiguous frame, mixing is one vector op.
+"""One flat buffer per model and dtype: a message is one contiguous frame per dtype, mixing is
+one vector op.
 
-The averaging algorithms work on a numpy array. For a CPU model that array is the model's own
-memory. For a model on another device (a CUDA GPU) it is a host copy, pinned so that copies
-run at full PCIe speed: the training loop copies the parameters to the host before they are
-mixed and back to the device after (see :class:`~gossip.optimizer.GossipOptimizer`). The wire
-carries host bytes either way, so nodes on different devices gossip with each other unchanged.
+The parameters move into one contiguous tensor per dtype (a bucket); each parameter becomes a
+view of its bucket. The averaging algorithms work on one host numpy vector (:attr:`array`) of
+float32 (float64 when the model has float64 parameters): for a float32 model on the CPU it is
+the model's own memory; otherwise (a bfloat16, float16 or mixed-dtype model, a model on a GPU)
+it is a host copy, pinned for a GPU, which the training loop refreshes before the parameters
+are mixed (:meth:`copy_to_host`, exact: every narrower float widens exactly) and writes back
+after (:meth:`copy_to_device`, rounding each value once to its parameter's dtype). The wire
+carries model values bucket by bucket in the model's dtypes (:attr:`layout`), so nodes on
+different devices, or mixing dtypes, gossip with each other unchanged.
 """
 
 from __future__ import annotations
@@ -14,60 +19,113 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from gossip.vector import BFLOAT16, Layout
+
+#: the numpy dtype of each torch dtype a model may train in
+NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: BFLOAT16,
+}
+
 
 class FlatParameters:
-    """Moves parameters into one contiguous tensor and makes each parameter a view of it.
-
-    Parameter objects keep their identity, so an optimizer built before or after flattening
+    """Moves parameters into one contiguous tensor per dtype and makes each parameter a view of
+    it. Parameter objects keep their identity, so an optimizer built before or after flattening
     keeps working. Unless :attr:`staged`, writing into :attr:`array` changes the model in place.
 
     Args:
-        params: the parameters, all of one dtype and on one device.
-        staged: keep a separate host copy for :attr:`array`; None: when the parameters are not
-            on the CPU (True on a CPU model runs the staged path, as the tests do).
+        params: the parameters, on one device, of float dtypes (a bucket per dtype, in the order
+            the dtypes first appear: the same on every node with the same model).
+        staged: keep a separate host copy for :attr:`array`; None: when the vector cannot be
+            the model's memory (a GPU model, a dtype other than the vector's, several dtypes).
+            True on a CPU float32 model runs the staged path, as the tests do.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], *, staged: bool | None = None) -> None:
         unique = list({id(p): p for p in params}.values())
         if not unique:
             raise ValueError("no parameters to flatten")
-        dtypes = {p.dtype for p in unique}
         devices = {p.device for p in unique}
-        if len(dtypes) != 1 or len(devices) != 1:
+        if len(devices) != 1:
             raise ValueError(
-                f"parameters must share one dtype and device, got {dtypes} on {devices}; "
-                "move the whole model with model.to(device) first"
+                f"parameters must share one device, got {devices}; move the whole model with "
+                "model.to(device) first"
             )
-        total = sum(p.numel() for p in unique)
+        unknown = {p.dtype for p in unique} - NUMPY_DTYPES.keys()
+        if unknown:
+            raise ValueError(
+                f"gossip averages float parameters ({', '.join(map(str, NUMPY_DTYPES))}), not {unknown}"
+            )
         device = unique[0].device
-        self.tensor = torch.empty(total, dtype=unique[0].dtype, device=device)
-        offset = 0
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in unique:
-            n = param.numel()
-            view = self.tensor[offset : offset + n]
-            view.copy_(param.data.reshape(-1))
-            param.data = view.view_as(param)
-            offset += n
-        self.staged = device.type != "cpu" if staged is None else staged
+            by_dtype.setdefault(param.dtype, []).append(param)
+        self.buckets = [_bucket(group, device) for group in by_dtype.values()]
+        self.layout = Layout(tuple((NUMPY_DTYPES[b.dtype], b.numel()) for b in self.buckets))
+        self.vector_dtype = torch.float64 if torch.float64 in by_dtype else torch.float32
+        in_place = (
+            len(self.buckets) == 1 and self.buckets[0].dtype == self.vector_dtype and device.type == "cpu"
+        )
+        self.staged = not in_place if staged is None else staged or not in_place
+        total = sum(b.numel() for b in self.buckets)
         self._host = (
-            torch.empty(total, dtype=self.tensor.dtype, pin_memory=device.type == "cuda")
+            torch.empty(total, dtype=self.vector_dtype, pin_memory=device.type == "cuda")
             if self.staged
-            else self.tensor
+            else self.buckets[0]
         )
         self.copy_to_host()
 
     @property
+    def tensor(self) -> torch.Tensor:
+        """The one bucket of a model of one dtype (the model's memory, on its device)."""
+        if len(self.buckets) != 1:
+            raise ValueError("a model of several dtypes has one bucket per dtype: see buckets")
+        return self.buckets[0]
+
+    @property
     def array(self) -> np.ndarray:
-        """The parameters as a host numpy array: the model's own memory, or its host copy
-        (as of the last :meth:`copy_to_host`) when staged."""
+        """The parameters as a host numpy vector: the model's own memory, or its host copy (as
+        of the last :meth:`copy_to_host`) when staged."""
         return self._host.detach().numpy()
 
     def copy_to_host(self) -> None:
         """Make :attr:`array` the model's current parameters (no-op unless staged)."""
         if self.staged:
-            self._host.copy_(self.tensor)  # blocking: the host copy is complete on return
+            for part, bucket in self._parts():
+                part.copy_(bucket)  # blocking: the host copy is complete on return
 
     def copy_to_device(self) -> None:
-        """Give the model what was written into :attr:`array` (no-op unless staged)."""
+        """Give the model what was written into :attr:`array`, each value rounded once to its
+        parameter's dtype (no-op unless staged)."""
         if self.staged:
-            self.tensor.copy_(self._host)
+            for part, bucket in self._parts():
+                bucket.copy_(part)
+
+    def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(segment of the host vector, bucket) pairs."""
+        parts, start = [], 0
+        for bucket in self.buckets:
+            parts.append((self._host[start : start + bucket.numel()], bucket))
+            start += bucket.numel()
+        return parts
+
+
+def _bucket(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flat tensor holding ``params`` (of one dtype), each made a view of it."""
+    bucket = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+    offset = 0
+    for param in params:
+        view = bucket[offset : offset + param.numel()]
+        view.copy_(param.data.reshape(-1))
+        param.data = view.view_as(param)
+        offset += param.numel()
+    return bucket
+
+
+def host_vector(params: Iterable[torch.Tensor]) -> np.ndarray:
+    """A copy of ``params`` as one host vector of their mixing dtype (float32, or float64)."""
+    tensors = [p.detach().reshape(-1) for p in params]
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.cat([t.to(device="cpu", dtype=dtype) for t in tensors]).numpy()

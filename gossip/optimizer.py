@@ -133,17 +133,24 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.flat = FlatParameters(self._params, staged=staged)
         # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
         # device, only the encoded frames staged); the outer step and the others need the host copy
+        buckets = self.flat.buckets
         self.mixes_in_place = (
-            self.flat.staged and algorithm.compresses and outer_lr is None and shares_memory(self.flat.tensor)
+            self.flat.staged
+            and algorithm.compresses
+            and outer_lr is None
+            and len(buckets) == 1
+            and buckets[0].dtype == torch.float32
+            and shares_memory(buckets[0])
         )
         self.averager = algorithm.build(
             TimedPeer(peer, self.phases),
-            from_torch(self.flat.tensor) if self.mixes_in_place else self.flat.array,
+            from_torch(buckets[0]) if self.mixes_in_place else self.flat.array,
             topology=topology,
             round_timeout=round_timeout,
             lock=self._lock,
             codec=compression,
             robust=robust,
+            layout=None if self.mixes_in_place else self.flat.layout,
         )
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
@@ -342,8 +349,9 @@ class GossipOptimizer(torch.optim.Optimizer):
         buffers: dict[str, np.ndarray] = {}
         keys = {k for p in self._params for k, v in self.optimizer.state.get(p, {}).items() if _like(v, p)}
         for key in sorted(keys):
+            dtype = self.flat.vector_dtype  # (a bfloat16 moment widens exactly)
             parts = [
-                self.optimizer.state[p][key].detach().reshape(-1).cpu().numpy()
+                self.optimizer.state[p][key].detach().reshape(-1).to("cpu", dtype).numpy()
                 if key in self.optimizer.state.get(p, {})
                 else np.zeros(p.numel(), dtype=self.flat.array.dtype)
                 for p in self._params
@@ -355,7 +363,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         offset = 0
         for param in self._params:
             part = torch.from_numpy(flat[offset : offset + param.numel()].copy()).view_as(param)
-            self.optimizer.state[param][key] = part.to(param.device)
+            self.optimizer.state[param][key] = part.to(param.device, param.dtype)
             offset += param.numel()
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from gossip.averager import Averager, RoundStats
 from gossip.network import Envelope, PeerNetwork
-from gossip.vector import add_scaled
+from gossip.vector import Layout, add_scaled
 from topologies import Topology, mixing_row
 
 KIND = "push"
@@ -51,6 +51,7 @@ class SGP(Averager):
         topology: Topology,
         round_timeout: float = 2.0,
         lock: AbstractContextManager[object] | None = None,
+        layout: Layout | None = None,
         max_staleness: int = 256,
         overlap: int = 1,
     ) -> None:
@@ -61,6 +62,7 @@ class SGP(Averager):
             round_timeout=round_timeout,
             lock=lock,
             max_staleness=max_staleness,
+            layout=layout,
         )
         self.overlap = overlap
         self.weight = 1.0  # w
@@ -133,7 +135,7 @@ class SGP(Averager):
         self._arrived = {(s, q) for s, q in self._arrived if q > r - self.max_staleness}
 
     def _mix_in(self, message: Envelope, r: int) -> None:
-        if not self._valid(message, shapes=2):
+        if not self._valid(message, self.vector_layout, extra=1):
             return
         if r < message.round <= r + HOLD_ROUNDS:  # a neighbour a little ahead: keep it for its round
             self._later.append(message)

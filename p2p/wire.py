@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -45,12 +46,16 @@ _OPTIONAL_KEYS = frozenset({"meta", "chunk"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "nbytes"})
 
 #: dtypes a tensor frame may carry; anything else is rejected before an array is built.
+#: bfloat16 is ml_dtypes' numpy dtype (the one JAX uses): a model's bf16 values in 2 bytes.
 WIRE_DTYPES: Mapping[str, np.dtype] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in (
-        "float16", "float32", "float64",
-        "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
-    )
+    **{
+        name: np.dtype(name).newbyteorder("<")
+        for name in (
+            "float16", "float32", "float64",
+            "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
+        )
+    },
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }  # fmt: skip
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian

@@ -22,7 +22,7 @@ from gossipmesh.config.values import ChaosAction, Corruption, ForRank, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
 from gossipmesh.sim.network import Partition
 from gossipmesh.sim.scenario import Stragglers
-from gossipmesh.tasks import DataPartition, TaskRef
+from gossipmesh.tasks import DataPartition, Precision, TaskRef
 from topologies import Topology, TopologyError
 
 DEFAULT_STEPS = 600
@@ -127,6 +127,7 @@ class TrainConfig(Averaging, LocalSGD):
     eval_interval: float = o.EVAL_INTERVAL.field()
     profile: str = o.PROFILE.field()
     device: str = o.DEVICE.field()
+    dtype: Precision = o.DTYPE.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()

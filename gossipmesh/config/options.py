@@ -20,7 +20,7 @@ from gossip import ALGORITHMS, CODECS, Algorithm, Codec
 from gossipmesh.config import values
 from gossipmesh.config.values import Corruption
 from gossipmesh.logs import LOG_FORMATS
-from gossipmesh.tasks import IID, TASKS, DataPartition, TaskRef
+from gossipmesh.tasks import IID, PRECISIONS, TASKS, DataPartition, Precision, TaskRef
 from p2p.membership import PROFILES
 from topologies import NAMES, Topology
 from topologies.spec import choice, number
@@ -167,6 +167,12 @@ COMPUTE_MS = Option(
 STARTUP_TIMEOUT = Option(_POSITIVE, "longest wait for the bootstrap peers, s", 60.0)
 EVAL_INTERVAL = Option(_POSITIVE, "seconds between timeline points", 0.25)
 PROFILE = Option(choice(PROFILES), f"failure-detector timings: {', '.join(PROFILES)}", "local")
+DTYPE = Option(
+    lambda text: Precision(choice(PRECISIONS)(text)),
+    "the model's parameter dtype: float32, bfloat16, float16, or mixed (weight matrices in "
+    "bfloat16, biases in float32); narrower models run under autocast, gossip mixes in float32",
+    Precision(),
+)
 DEVICE = Option(
     values.device,
     "torch device the model trains on: cpu, cuda or cuda:INDEX (nodes on different devices "

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
@@ -27,7 +28,7 @@ from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.pacing import StepPacer
 from gossipmesh.daemon.recorder import Recorder
 from gossipmesh.report import Progress, TimelinePoint
-from gossipmesh.tasks import Batches, Task
+from gossipmesh.tasks import Batches, Evaluation, Task
 from p2p import Peer
 from topologies import member_order
 
@@ -60,7 +61,7 @@ class Trainer:
         network = peer if config.byzantine is None else ByzantinePeer(peer, config.byzantine)
         self.optimizer = config.gossip_optimizer(config.local_optimizer(model), network, lock=self.lock)
         self.recorder = Recorder(
-            evaluate=lambda: task.evaluate(model),
+            evaluate=self._evaluate,
             progress=self._progress,
             lock=self.lock,
             clock=clock,
@@ -149,7 +150,8 @@ class Trainer:
                     break
                 started = time.monotonic()
                 inputs, targets = inputs.to(config.device), targets.to(config.device)
-                loss = self.task.loss(self.model, inputs, targets)
+                with self._autocast():
+                    loss = self.task.loss(self.model, inputs, targets)
                 self.optimizer.zero_grad()
                 loss.backward()
                 pacer.finish_step(started)
@@ -169,6 +171,14 @@ class Trainer:
             final = self.recorder.stop()
             progress.timeline = self.recorder.timeline
             progress.final = {"loss": final.loss, "accuracy": final.accuracy}
+
+    def _autocast(self) -> AbstractContextManager[object]:
+        """Forward passes of a model narrower than float32 run under autocast (``--dtype``)."""
+        return self.config.dtype.autocast(torch.device(self.config.device))
+
+    def _evaluate(self) -> Evaluation:
+        with self._autocast():
+            return self.task.evaluate(self.model)
 
     def _smooth(self, loss: float) -> None:
         if math.isnan(self.train_loss):

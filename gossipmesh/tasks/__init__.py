@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from gossipmesh.tasks.base import (
     IID,
+    PRECISIONS,
     Batches,
     DataPartition,
     Evaluation,
+    Precision,
     Shard,
     Task,
     device_of,
@@ -74,10 +76,12 @@ def load_task(name: str) -> Task:
 
 __all__ = [
     "IID",
+    "PRECISIONS",
     "TASKS",
     "Batches",
     "DataPartition",
     "Evaluation",
+    "Precision",
     "Shard",
     "Task",
     "TaskError",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,6 +59,43 @@ class Task(Protocol):
     def evaluate(self, model: nn.Module) -> Evaluation:
         """Loss and accuracy on the held-out split every node shares."""
         ...
+
+
+PRECISIONS = ("float32", "bfloat16", "float16", "mixed")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a model's parameters are held in (``--dtype``): ``float32``; ``bfloat16`` or
+    ``float16``, every parameter; ``mixed``, weight matrices in bfloat16 and biases and norms
+    in float32. A model narrower than float32 runs its forward passes under autocast, so a task
+    written for float32 inputs trains and evaluates unchanged; gossip mixes every dtype in
+    float32 and sends each at its own width (``gossip.flat``)."""
+
+    name: str = "float32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None for a float32 model."""
+        return {"float32": None, "float16": torch.float16}.get(self.name, torch.bfloat16)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """``model`` with its parameters in this precision (in place)."""
+        if self.name in ("bfloat16", "float16"):
+            return model.to(self.compute_dtype)
+        if self.name == "mixed":
+            for param in model.parameters():
+                if param.ndim >= 2:
+                    param.data = param.data.to(torch.bfloat16)
+        return model
+
+    def autocast(self, device: torch.device) -> AbstractContextManager[object]:
+        """The context a forward pass of the model runs in."""
+        dtype = self.compute_dtype
+        return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    def __str__(self) -> str:
+        return self.name
 
 
 def device_of(model: nn.Module) -> torch.device:

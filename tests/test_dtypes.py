@@ -1,0 +1,170 @@
+"""Models in every float dtype torch trains in: one flat bucket per dtype, mixing in float32
+rounded once, each bucket on the wire at its own width."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gossip import Algorithm, Codec, GossipOptimizer
+from gossip.flat import FlatParameters
+from gossip.vector import BFLOAT16
+from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
+from gossipmesh.tasks import Precision
+from node import main
+from topologies import Topology
+
+
+def _model(seed: int, precision: str) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return Precision(precision).apply(model)
+
+
+def test_one_bucket_per_dtype_and_one_rounding_back() -> None:
+    model = _model(0, "mixed")
+    flat = FlatParameters(model.parameters())
+    assert [b.dtype for b in flat.buckets] == [torch.bfloat16, torch.float32]
+    assert [(d, n) for d, n in flat.layout.buckets] == [
+        (BFLOAT16, 64 * 32 + 32 * 4),
+        (np.dtype(np.float32), 36),
+    ]
+    assert flat.staged and flat.array.dtype == np.float32  # the mixing vector: float32, widened exactly
+    weight = model[0].weight
+    np.testing.assert_array_equal(flat.array[:10], weight.detach().reshape(-1)[:10].float().numpy())
+    flat.array[:] += 1e-3  # a value between two bfloat16s...
+    expected = (weight.detach().float() + 1e-3).to(torch.bfloat16)
+    flat.copy_to_device()  # ...is rounded once, to nearest, into the model's own memory
+    torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=0)
+    assert weight.data.data_ptr() == flat.buckets[0].data_ptr()  # a view of the bucket
+
+
+def _one_round(
+    precision: str, nodes: int = 3
+) -> tuple[list[torch.nn.Module], list[MemoryPeer], list[np.ndarray]]:
+    """Each node's model from its own seed, one D-PSGD round on a complete graph with lr 0;
+    returns the models, their peers and what each held before."""
+    network = MemoryNetwork()
+    peers = [network.join(f"n{i}") for i in range(nodes)]
+    models = [_model(i, precision) for i in range(nodes)]
+    before = [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]).numpy() for m in models]
+    optimizers = [
+        GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology=Topology("complete"))
+        for m, p in zip(models, peers, strict=True)
+    ]
+    threads = [threading.Thread(target=o.step) for o in optimizers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return models, peers, before
+
+
+def test_bfloat16_is_mixed_in_float32_and_rounded_once() -> None:
+    models, peers, before = _one_round("bfloat16")
+    reference = np.mean(before, axis=0)  # complete graph of 3: every weight 1/3, exact in float64
+    float32_ulp = np.spacing(np.abs(reference).astype(np.float32)).astype(np.float64)
+    # one rounding of the float32 mean to bfloat16 (16 bits fewer): half a bfloat16 step, plus
+    # a few float32 steps of the sum itself; accumulating in bfloat16 would round at every term
+    bound = float32_ulp * (2**16 / 2 + 4)
+    for model in models:
+        mixed = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]).numpy()
+        error = np.abs(mixed - reference)
+        assert error.max() > 0  # the mean of bfloat16 values is rarely one
+        assert np.all(error <= bound)
+    size = sum(p.numel() for p in models[0].parameters())
+    assert all(peer.bytes_sent == 2 * 2 * size for peer in peers)  # 2 bytes a value, to 2 neighbours
+
+
+def test_a_model_of_two_dtypes_sends_each_at_its_width() -> None:
+    models, peers, before = _one_round("mixed", nodes=2)
+    weights = sum(p.numel() for p in models[0].parameters() if p.dtype == torch.bfloat16)
+    biases = sum(p.numel() for p in models[0].parameters() if p.dtype == torch.float32)
+    assert all(peer.bytes_sent == 2 * weights + 4 * biases for peer in peers)
+    finals = [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]).numpy() for m in models]
+    np.testing.assert_array_equal(finals[0], finals[1])  # both rounded the same float32 mean
+    is_bias = np.concatenate([np.full(p.numel(), p.dtype == torch.float32) for p in models[0].parameters()])
+    np.testing.assert_allclose(finals[0][is_bias], np.mean(before, axis=0)[is_bias], rtol=1e-6)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk:0.3", "randk:0.3"])
+def test_every_codec_averages_a_bfloat16_model(codec: str) -> None:
+    network = MemoryNetwork()
+    models = [_model(i, "bfloat16") for i in range(2)]
+    optimizers = [
+        GossipOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.0),
+            peer=network.join(f"n{i}"),
+            algorithm=Algorithm("choco"),
+            compression=Codec.parse(codec),
+        )
+        for i, m in enumerate(models)
+    ]
+
+    def run(optimizer: GossipOptimizer) -> None:
+        for _ in range(30):
+            optimizer.step()
+
+    threads = [threading.Thread(target=run, args=(o,)) for o in optimizers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    gap = [torch.cat([p.detach().reshape(-1).float() for p in m.parameters()]) for m in models]
+    start = [
+        torch.cat([p.detach().reshape(-1).float() for p in _model(i, "bfloat16").parameters()])
+        for i in (0, 1)
+    ]
+    assert (gap[0] - gap[1]).norm() < 0.1 * (start[0] - start[1]).norm()
+
+
+@pytest.mark.mesh
+def test_meshes_of_every_dtype_reach_the_float32_accuracy(tmp_path: Path, no_other_threads: None) -> None:
+    accuracies, sent = {}, {}
+    for dtype in ("float32", "bfloat16", "float16", "mixed"):
+        run = tmp_path / dtype
+        argv = ["mesh", "--nodes", "3", "--steps", "600", "--insecure", "--dtype", dtype, "--plot", "none",
+                "--run-dir", str(run)]  # fmt: skip
+        assert main(argv) == 0
+        report = json.loads((run / "report.json").read_text())
+        assert report["config"]["dtype"] == dtype
+        nodes = report["nodes"]
+        assert all(n["messages_rejected"] == 0 for n in nodes)
+        accuracies[dtype] = min(n["final"]["accuracy"] for n in nodes)
+        sent[dtype] = sum(n["bytes_sent"] for n in nodes)
+    assert accuracies["float32"] >= 0.94
+    for dtype in ("bfloat16", "float16", "mixed"):
+        assert accuracies[dtype] >= accuracies["float32"] - 0.02, accuracies
+    assert sent["bfloat16"] < 0.55 * sent["float32"] and sent["mixed"] < 0.55 * sent["float32"], sent
+
+
+def test_a_bfloat16_state_travels_to_a_newcomer_exactly() -> None:
+    """Parameters and Adam's moments of a bfloat16 model widen to float32 in the snapshot a
+    joiner takes and narrow back exactly."""
+    network = MemoryNetwork()
+
+    def node(name: str) -> tuple[torch.nn.Module, GossipOptimizer]:
+        model = _model(0 if name == "old" else 1, "bfloat16")
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, GossipOptimizer(inner, peer=network.join(name), topology=Topology("ring"))
+
+    model, optimizer = node("old")
+    for step in range(3):
+        inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        model(inputs.bfloat16()).float().pow(2).mean().backward()
+        optimizer.step()
+    snapshot = optimizer.snapshot()
+    assert {a.dtype for a in snapshot.tensors.values()} == {np.dtype(np.float32)}
+    newcomer, joined = node("new")
+    joined.restore(snapshot)
+    for ours, theirs in zip(newcomer.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        state, reference = joined.state[ours], optimizer.state[theirs]
+        assert state["exp_avg"].dtype == torch.bfloat16
+        torch.testing.assert_close(state["exp_avg_sq"], reference["exp_avg_sq"], rtol=0, atol=0)
