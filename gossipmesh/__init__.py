@@ -24,6 +24,7 @@ from gossip import (
     RobustRule,
     consensus_distance,
 )
+from gossip.flat import host_vector
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
 from gossipmesh.daemon.peers import connect
 from gossipmesh.tasks import IID, Batches, DataPartition, Evaluation, Shard, Task, TaskRef, partition_indices
@@ -53,6 +54,7 @@ __all__ = [
     "Topology",
     "connect",
     "consensus_distance",
+    "host_vector",
     "member_order",
     "node_config",
     "partition_indices",
