@@ -124,6 +124,13 @@ def _bucket(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return bucket
 
 
+def host_vector_bytes(params: Iterable[torch.Tensor]) -> int:
+    """The size of :func:`host_vector` of ``params``, without making it."""
+    tensors = list(params)
+    itemsize = 8 if any(t.dtype == torch.float64 for t in tensors) else 4
+    return itemsize * sum(t.numel() for t in tensors)
+
+
 def host_vector(params: Iterable[torch.Tensor]) -> np.ndarray:
     """A copy of ``params`` as one host vector of their mixing dtype (float32, or float64)."""
     tensors = [p.detach().reshape(-1) for p in params]

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from gossip import Algorithm, Codec, GossipOptimizer
-from gossip.flat import FlatParameters
+from gossip.flat import FlatParameters, host_vector
 from gossip.vector import BFLOAT16
+from gossipmesh.daemon.peers import largest_message
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from gossipmesh.tasks import Precision
 from node import main
+from p2p.wire import Limits, Message, decode, encode
 from topologies import Topology
 
 
@@ -168,3 +170,23 @@ def test_a_bfloat16_state_travels_to_a_newcomer_exactly() -> None:
         state, reference = joined.state[ours], optimizer.state[theirs]
         assert state["exp_avg"].dtype == torch.bfloat16
         torch.testing.assert_close(state["exp_avg_sq"], reference["exp_avg_sq"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_message_limit_fits_every_message_a_node_sends_about_its_model(precision: str) -> None:
+    """A node accepts messages up to ``largest_message(model)``: a push-sum share with its
+    weight, CHOCO's float32 full copy of a bfloat16 model and a dense top-k bitmap all fit (SGP
+    shares were refused as too large once a model passed 1 MiB: every round waited its timeout)."""
+    model = torch.nn.Linear(1024, 512)  # 2 MiB in float32
+    Precision(precision).apply(model)
+    limit = Limits(max_message_bytes=largest_message(model))
+    vector = host_vector(model.parameters())
+    messages = [
+        [vector, np.array([0.5])],  # an SGP share
+        Codec.parse("topk:1").encode(vector).frames,  # every value kept, with a bitmap
+        [vector],  # a CHOCO full copy
+    ]
+    for tensors in messages:
+        frames = encode(kind="push", sender="a", round=1, tensors=tensors)
+        decoded = decode([bytes(f) for f in frames], limit)
+        assert isinstance(decoded, Message) and len(decoded.tensors) == len(tensors)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from gossip.flat import host_vector_bytes
 from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
 from gossipmesh.config import NodeConfig
 from gossipmesh.logs import NODE_LOGGER
@@ -33,7 +34,6 @@ def make_peer(
 ) -> Peer:
     """A peer (not started) with the config's addresses, discovery and CURVE keys (none with
     ``--insecure``, said loudly in the log), and messages limited to what this model needs."""
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     curve = None
     if config.insecure:
         log.warning(insecure_warning())
@@ -44,7 +44,7 @@ def make_peer(
         config.listen,
         config.bootstrap,
         advertise=config.advertise,
-        limits=Limits(max_message_bytes=max(model_bytes, STATE_CHUNK_BYTES)),
+        limits=Limits(max_message_bytes=max(largest_message(model), STATE_CHUNK_BYTES)),
         profile=PROFILES[config.profile],
         clock=clock,
         first_round=first_round,
@@ -52,6 +52,14 @@ def make_peer(
         mesh_name=config.mesh_name,
         curve=curve,
     )
+
+
+def largest_message(model: torch.nn.Module) -> int:
+    """The most bytes a gossip message about ``model`` carries: the mixing vector (float32, or
+    float64; twice a bfloat16 model's own bytes) with room for what goes beside it (SGP's
+    weight, a sparse codec's positions: at most 1/8 more)."""
+    vector_bytes = host_vector_bytes(model.parameters())
+    return vector_bytes + vector_bytes // 8 + (1 << 16)
 
 
 def connect(config: NodeConfig, model: torch.nn.Module) -> Peer:

@@ -1,0 +1,179 @@
+"""Gossip at 10M-100M parameters against a gloo allreduce of the same bytes, side by side.
+
+For each model size (a wide MLP of float32 linear layers), ``--nodes`` processes on 127.0.0.1
+run each arm in turn, fresh processes per arm:
+
+- ``allreduce``: ``torch.distributed.all_reduce`` of the model's flat vector over gloo, the
+  standard way (what DDP does with every gradient): seconds per call.
+- a gossip arm (``dpsgd``: D-PSGD on a ring; ``sgp``, ``adpsgd``, ``choco-int8``): every process
+  a real node (``gossipmesh.connect``, ZeroMQ, --insecure) and a ``GossipOptimizer`` around SGD
+  with zero gradients: seconds per ``step()``, which for the synchronous algorithms is one round
+  (adpsgd's exchanges run beside the steps; its figure is a step's cost).
+
+Per arm: the median round over every process's timed rounds (after warm-up), and the peak memory
+each process added over its model and optimizer (VmHWM after the peak is reset once the model is
+built), against the model's bytes.
+
+    python bench/scale.py [--params 10M,100M] [--nodes 4] [--rounds 8] [--arms allreduce,dpsgd,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import statistics
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gossipmesh
+from gossipmesh.config import NodeConfig, load
+from p2p.address import free_ports
+
+WIDTH = 2048  # a layer of the benchmark MLP: WIDTH x WIDTH weights (4.2M parameters)
+WARMUP = 2
+GOSSIP_ARMS = {
+    "dpsgd": {"algorithm": "dpsgd", "topology": "ring"},
+    "sgp": {"algorithm": "sgp"},
+    "adpsgd": {"algorithm": "adpsgd"},
+    "choco-int8": {"algorithm": "choco", "compression": "int8"},
+}
+
+
+def wide_mlp(params: int) -> torch.nn.Module:
+    """Linear layers of WIDTH x WIDTH (the last one narrower) holding about ``params`` weights."""
+    layers, left = [], params
+    while left > 0:
+        rows = min(WIDTH, max(1, left // WIDTH))
+        layers.append(torch.nn.Linear(WIDTH, rows, bias=False))
+        left -= rows * WIDTH
+    return torch.nn.Sequential(*layers)
+
+
+def _rss(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field))) * 1024
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux: clear_refs 5); the current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss("VmRSS:")
+
+
+def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: list[int],
+             barrier: Barrier, out: Connection) -> None:  # fmt: skip
+    logging.disable(logging.WARNING)  # every node of every arm would say it runs --insecure
+    torch.manual_seed(0)
+    model = wide_mlp(params)
+    size = sum(p.numel() for p in model.parameters())
+    if arm == "allreduce":
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=nodes
+        )
+        vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        base = _reset_peak()
+
+        def one_round() -> None:
+            dist.all_reduce(vector)
+    else:
+        flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": str(nodes),
+                 "id": f"node-{rank}", **({"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}),
+                 **GOSSIP_ARMS[arm]}  # fmt: skip
+        config = load(NodeConfig, flags)
+        peer = gossipmesh.connect(config, model)
+        optimizer = config.gossip_optimizer(torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9), peer)
+        base = _reset_peak()
+
+        def one_round() -> None:
+            optimizer.step()
+
+    times = []
+    for index in range(WARMUP + rounds):
+        if index == WARMUP:
+            barrier.wait()
+        started = time.perf_counter()
+        one_round()
+        if index >= WARMUP:
+            times.append(time.perf_counter() - started)
+    barrier.wait()
+    added = _rss("VmHWM:") - base
+    if arm != "allreduce":
+        optimizer.close()
+        peer.leave(after_round=optimizer.round - 1)
+        barrier.wait()  # nobody leaves while a neighbour still waits for its last round
+        peer.close()
+    out.send({"times": times, "added_bytes": added, "model_bytes": 4 * size})
+
+
+def run_arm(arm: str, nodes: int, params: int, rounds: int) -> dict[str, Any]:
+    fork = multiprocessing.get_context("fork")
+    barrier = fork.Barrier(nodes)
+    ports = free_ports(nodes)
+    pipes = [fork.Pipe(duplex=False) for _ in range(nodes)]
+    processes = [
+        fork.Process(target=_run_arm, args=(arm, rank, nodes, params, rounds, ports, barrier, pipes[rank][1]))
+        for rank in range(nodes)
+    ]
+    for process in processes:
+        process.start()
+    results = [receiver.recv() for receiver, _ in pipes]
+    for process in processes:
+        process.join(timeout=120)
+    times = [t for r in results for t in r["times"]]
+    return {
+        "arm": arm,
+        "params": params,
+        "model_bytes": results[0]["model_bytes"],
+        "round_s_median": statistics.median(times),
+        "round_s_min": min(times),
+        "round_s_max": max(times),
+        "added_bytes_max": max(r["added_bytes"] for r in results),
+    }
+
+
+def parse_count(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--params", default="10M,100M", help="model sizes (default: 10M,100M)")
+    parser.add_argument("--nodes", type=int, default=4, help="processes (default: 4)")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per arm (default: 8)")
+    parser.add_argument("--arms", default="allreduce,dpsgd,sgp,adpsgd,choco-int8", help="arms, in order")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args()
+    rows = []
+    print(f"{'params':>8} {'MB':>6} {'arm':>11} {'round s':>8} {'min':>7} {'max':>7} {'vs allreduce':>13} "
+          f"{'added MB':>9} {'x model':>8}", flush=True)  # fmt: skip
+    for params in map(parse_count, args.params.split(",")):
+        reference = None
+        for arm in args.arms.split(","):
+            row = run_arm(arm, args.nodes, params, args.rounds)
+            rows.append(row)
+            reference = row["round_s_median"] if arm == "allreduce" else reference
+            ratio = f"{row['round_s_median'] / reference:.2f}x" if reference else "-"
+            added = row["added_bytes_max"]
+            print(
+                f"{params / 1e6:>7.0f}M {row['model_bytes'] / 1e6:>6.0f} {arm:>11} "
+                f"{row['round_s_median']:>8.3f} {row['round_s_min']:>7.3f} {row['round_s_max']:>7.3f} "
+                f"{ratio:>13} {added / 1e6:>9.0f} {added / row['model_bytes']:>8.2f}",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
