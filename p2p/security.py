@@ -8,14 +8,17 @@ known yet, a bootstrap address, is tried with every trusted key). Keys are pyzmq
 ``NAME.key`` (public) and ``NAME.key_secret`` (secret, mode 0600).
 
 The trusted folder is re-read whenever its listing changes (a key file added, removed or
-replaced), at the next handshake: no restart is needed. Revoking a key refuses new connections
-from it; a connection already open stays until it drops.
+replaced), at the next handshake at least ``RESCAN_S`` after the last look: no restart is
+needed, and a flood of handshakes cannot make the node list the folder more often than that.
+Revoking a key refuses new connections from it; a connection already open stays until it drops.
+Refused handshakes are counted and logged at most once per key every 10 s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +26,12 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from p2p.ratelimit import QuietLog
+
 log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "gossipmesh"
+RESCAN_S = 1.0
 
 
 class SecurityError(ValueError):
@@ -84,6 +90,7 @@ class TrustedKeys:
         self._lock = threading.Lock()
         self._signature: tuple[tuple[str, int, int], ...] | None = None
         self._keys: frozenset[bytes] = frozenset()
+        self._looked_at = float("-inf")
         self.current()
         if not self._keys:
             raise SecurityError(f"--trusted {folder} holds no .key files; copy the nodes' public keys there")
@@ -91,6 +98,10 @@ class TrustedKeys:
     def current(self) -> frozenset[bytes]:
         """The trusted public keys (z85), re-read if any key file was added, removed or changed."""
         with self._lock:
+            now = time.monotonic()
+            if now - self._looked_at < RESCAN_S:
+                return self._keys
+            self._looked_at = now
             signature = self._scan()
             if signature != self._signature:
                 self._keys = frozenset(self._read())
@@ -142,12 +153,16 @@ class _TrustedProvider:
     def __init__(self, trusted: TrustedKeys) -> None:
         self.trusted = trusted
         self.refused = 0
+        self._log = QuietLog(log)
 
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = self.trusted.allows(key)
         if not allowed:
             self.refused += 1
-            log.warning("refused a connection with untrusted key %s", key.decode(errors="replace"))
+            shown = key.decode(errors="replace")
+            self._log.warning(
+                shown, "refused a connection with untrusted key %s (%d refused)", shown, self.refused
+            )
         return allowed
 
 
