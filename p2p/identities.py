@@ -1,71 +1,50 @@
-"""Who sent a frame, as far as the transport can tell, and what it may claim.
+"""Who sent a frame, as far as the transport can tell, and its sequence state.
 
 A peer is its CURVE public key on a secure node (a peer cannot forge another's key), its claimed
-routing id on an ``--insecure`` one (it can). On a secure node a key speaks for one node id: the
-routing id of the first frame it sent; a frame of that key claiming another id is rejected
-(``identity``), until the key has been silent for ``idle_s`` (then it may come back as another
-id). Sequence state (the newest session and seq, for replay checks) is kept per peer, so no peer
-can make another's messages look replayed.
+routing id on an ``--insecure`` one (it can). Rejections and shunning count per peer: a sender
+that changes the id it claims on every message is still one peer. Sequence state (the newest
+session and seq, for replay checks) is kept per key *and* claimed id (one key may serve a whole
+mesh), so no key can make another's messages look replayed, whatever id it claims. Which ids a
+key may speak for is membership's business (``Membership.screen``): a member's messages must
+come with the key of its member record.
 
-At most ``max_peers`` are remembered, the least recently heard forgotten first, so a sender
-that keeps changing its claimed id cannot grow the table.
+At most ``max_peers`` entries of each kind are remembered, the least recently heard forgotten
+first, so a sender that keeps changing its claimed id cannot grow the tables.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+
+from p2p.ratelimit import lru_entry
 
 MAX_PEERS = 4096
-IDLE_S = 60.0
-
-
-@dataclass
-class _Peer:
-    node_id: str
-    session: int = -1
-    seq: int = -1
-    heard: float = 0.0
 
 
 class Identities:
-    """Per-peer identity and sequence state; network thread only."""
+    """Peer names and sequence state; network thread only."""
 
-    def __init__(self, *, max_peers: int = MAX_PEERS, idle_s: float = IDLE_S) -> None:
-        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+    def __init__(self, *, max_peers: int = MAX_PEERS) -> None:
+        self._labels: OrderedDict[str, str] = OrderedDict()  # key -> the first id it was heard as
+        self._sequences: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
         self._max_peers = max_peers
-        self._idle_s = idle_s
 
     def __len__(self) -> int:
-        return len(self._peers)
+        return len(self._sequences)
 
-    def name(self, key: str, claimed: str, now: float) -> tuple[str, bool]:
-        """The name rejections count a frame under, and whether the claimed id is the one this
-        peer speaks for. Binds a new (or idle) key to ``claimed``."""
+    def name(self, key: str, claimed: str) -> str:
+        """The name rejections count a frame under: ``ID (KEY)`` with the first id the key was
+        heard as (so the same for every id it claims), or the claimed id without CURVE."""
         if not key:
-            return claimed, True
-        peer = self._peers.get(key)
-        if peer is None or now - peer.heard > self._idle_s:
-            peer = self._remember(key, _Peer(claimed))
-        peer.heard = now
-        self._peers.move_to_end(key)
-        return f"{peer.node_id} ({key})", peer.node_id == claimed
+            return claimed
+        label = lru_entry(self._labels, key, lambda: claimed, self._max_peers)
+        return f"{label} ({key})"
 
-    def replayed(self, peer_id: str, session: int, seq: int, now: float) -> int | None:
-        """The newest seq already taken from this peer's session if ``seq`` is not newer (a
-        replay or a reordering), else None, recording ``(session, seq)`` as the newest."""
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            peer = self._remember(peer_id, _Peer(peer_id))
-        self._peers.move_to_end(peer_id)
-        peer.heard = now
-        if peer.session == session and seq <= peer.seq:
-            return peer.seq
-        peer.session, peer.seq = session, seq
+    def replayed(self, key: str, claimed: str, session: int, seq: int) -> int | None:
+        """The newest seq taken from this sender's session if ``seq`` is not newer (a replay or
+        a reordering), else None, recording ``(session, seq)`` as the newest."""
+        last = lru_entry(self._sequences, (key, claimed), lambda: (-1, -1), self._max_peers)
+        if last[0] == session and seq <= last[1]:
+            return last[1]
+        self._sequences[(key, claimed)] = (session, seq)
         return None
-
-    def _remember(self, peer_id: str, peer: _Peer) -> _Peer:
-        self._peers[peer_id] = peer
-        if len(self._peers) > self._max_peers:
-            self._peers.popitem(last=False)
-        return peer

@@ -265,13 +265,18 @@ class Membership:
             if address is not None:
                 self._send_table(address, "sync_reply", key=message.key or None, member=False)
 
-    def screen(self, message: Message) -> str | None:
-        """The transport's check of a message for the inbox: a member's messages must come
-        with the key of its record (so a trusted key cannot speak as another member)."""
+    def screen(self, message: Message) -> bool:
+        """The transport's check of a message for the inbox: it must come from a member (not
+        known yet: dropped, it is nobody's neighbour here), with the key of the member's
+        record (so a trusted key cannot speak as another member)."""
         member = self._table.members.get(message.sender)
-        if member is not None and member.key and member.key != message.key:
-            return "key_mismatch"
-        return None
+        if member is None:
+            self._transport.stats.drop("unknown_sender")
+            return False
+        if member.key != message.key:
+            self._transport.reject(self._transport.peer_name(message), "key_mismatch", member.id)
+            return False
+        return True
 
     def on_tick(self, now: float) -> float:
         if not self._started:

@@ -10,9 +10,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 MAX_KEYS = 1024  # buckets kept per limiter; the least recently used is forgotten beyond that
+Key = TypeVar("Key", bound=Hashable)
+Value = TypeVar("Value")
+
+
+def lru_entry(table: OrderedDict[Key, Value], key: Key, make: Callable[[], Value], limit: int) -> Value:
+    """``table[key]`` (made if missing) moved to the most recently used end; the least
+    recently used entries dropped beyond ``limit``. How every per-peer table stays bounded."""
+    if key not in table:
+        table[key] = make()
+        if len(table) > limit:
+            table.popitem(last=False)
+    table.move_to_end(key)
+    return table[key]
 
 
 class Bucket:
@@ -54,12 +68,7 @@ class KeyedLimiter:
 
     def allow(self, key: str, tokens: float = 1.0) -> bool:
         now = self._clock()
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = Bucket(self._rate, self._burst, now)
-            if len(self._buckets) > self._max_keys:
-                self._buckets.popitem(last=False)
-        self._buckets.move_to_end(key)
+        bucket = lru_entry(self._buckets, key, lambda: Bucket(self._rate, self._burst, now), self._max_keys)
         return bucket.take(now, tokens)
 
 

@@ -14,12 +14,10 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from typing import TypeVar
 
-from p2p.ratelimit import QuietLog
+from p2p.ratelimit import QuietLog, lru_entry
 
 log = logging.getLogger(__name__)
-Value = TypeVar("Value")
 
 LOG_INTERVAL_S = 10.0
 SHUN_AFTER = 100  # rejections within SHUN_WINDOW_S...
@@ -76,7 +74,7 @@ class Rejections:
         self.by_reason[reason] += 1
         counted = peer if peer in self.by_peer or len(self.by_peer) < self._max_peers else OTHER_PEERS
         self.by_peer.setdefault(counted, Counter())[reason] += 1
-        counts = _recently_used(self._unlogged, peer, Counter, self._max_peers)
+        counts = lru_entry(self._unlogged, peer, Counter, self._max_peers)
         counts[reason] += 1
         if self._log.warning(
             f"reject {peer}",
@@ -92,7 +90,7 @@ class Rejections:
             self._maybe_shun(peer, now)
 
     def _maybe_shun(self, peer: str, now: float) -> None:
-        recent = _recently_used(self._recent, peer, deque, self._max_peers)
+        recent = lru_entry(self._recent, peer, deque, self._max_peers)
         recent.append(now)
         while recent and recent[0] < now - self._shun_window_s:
             recent.popleft()
@@ -111,14 +109,3 @@ class Rejections:
                 self._shun_after,
                 self._shun_window_s,
             )
-
-
-def _recently_used(table: OrderedDict[str, Value], key: str, make: Callable[[], Value], limit: int) -> Value:
-    """``table[key]`` (made if missing) moved to the end; the least recently used dropped past
-    ``limit`` entries."""
-    if key not in table:
-        table[key] = make()
-        if len(table) > limit:
-            table.popitem(last=False)
-    table.move_to_end(key)
-    return table[key]

@@ -178,9 +178,9 @@ class Transport:
         # called (network thread) with an address no message could be queued to: the failure
         # detector hears of a closed connection at once rather than at its next probe
         self.on_unreachable: Callable[[str], None] | None = None
-        # a service's check of a message bound for the inbox (membership: the sender's key is
-        # its member's): a reason to reject it, or None
-        self.screen: Callable[[Message], str | None] | None = None
+        # a service's check of a message bound for the inbox (membership: it comes from a member,
+        # with the key of its record); it counts what it refuses itself
+        self.screen: Callable[[Message], bool] | None = None
         # called (network thread, as it ends) if the network thread stops other than by close()
         self.on_failure: Callable[[str], None] | None = None
         self.failure: str | None = None
@@ -417,32 +417,30 @@ class Transport:
 
     def peer_name(self, message: Message) -> str:
         """Who sent ``message``, as rejections count it (the sender's key when CURVE is on)."""
-        return self._identities.name(message.key, message.sender, time.monotonic())[0]
+        return self._identities.name(message.key, message.sender)
 
     def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
         """One received message, in its own error scope: whatever it raises is its rejection."""
         claimed = routing_id.decode("ascii", errors="replace")
         key = _user_id(frames[0]) if self.curve is not None and frames else ""
-        peer, honest = self._identities.name(key, claimed, time.monotonic())
+        peer = self._identities.name(key, claimed)
         try:
             if self.stats.rejections.shunned(peer):
                 self.reject(peer, "shunned")
-            elif not honest:
-                self.reject(peer, "identity", f"this key speaks for another node id, not {claimed!r}")
             else:
-                self._take(peer, key, claimed, frames)
+                self._take(key, claimed, frames)
         except WireError as exc:
             self.reject(peer, exc.reason, exc.detail)
         except Exception as exc:  # a bug, or an input no check foresaw: this message's end only
             self.reject(peer, "handler_error", f"{type(exc).__name__}: {shown(str(exc))}")
             self._errors.warning("accept", "a message from %s raised", peer, exc_info=True)
 
-    def _take(self, peer: str, key: str, claimed: str, frames: Sequence[zmq.Frame]) -> None:
+    def _take(self, key: str, claimed: str, frames: Sequence[zmq.Frame]) -> None:
         decoded = decode(frames, self.limits)
         message = decoded.message if isinstance(decoded, Chunk) else decoded
         if message.sender != claimed:
             raise WireError("sender_mismatch", f"header says {shown(message.sender)}")
-        last = self._identities.replayed(key or claimed, message.session, message.seq, time.monotonic())
+        last = self._identities.replayed(key, claimed, message.session, message.seq)
         if last is not None:
             raise WireError("replayed", f"seq {message.seq} <= {last}")
         if isinstance(decoded, Chunk):
@@ -457,8 +455,8 @@ class Transport:
             service.on_message(message)
         elif self._inbox_kinds is not None and message.kind not in self._inbox_kinds:
             raise WireError("unknown_kind", shown(message.kind))
-        elif self.screen is not None and (reason := self.screen(message)) is not None:
-            raise WireError(reason, f"{message.kind} from {message.sender}")
+        elif self.screen is not None and not self.screen(message):
+            return
         elif not self._inbox.put(message):
             self.stats.drop("inbox_full")
 

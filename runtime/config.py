@@ -293,6 +293,11 @@ class NodeConfig(TrainConfig):
     metrics_port: int | None = _option(
         None, "serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)", parse=int
     )
+    metrics_host: str = _option(
+        "0.0.0.0",
+        "address the --metrics-port endpoint listens on (127.0.0.1: this host only)",
+        metavar="HOST",
+    )
     log_format: str = _option(
         "text", f"log lines on stderr: {' or '.join(LOG_FORMATS)} (one object per event)"
     )

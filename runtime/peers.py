@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
+from gossip import ADPSGD, CHOCO, DPSGD, SGP, state
 from p2p import Peer
 from p2p.address import split_endpoint
 from p2p.membership import PROFILES
@@ -21,6 +21,10 @@ from runtime.config import NodeConfig
 from runtime.logs import NODE_LOGGER
 
 log = logging.getLogger(NODE_LOGGER)
+#: what a daemon's inbox takes: the algorithms' and state transfer's kinds (others are rejected)
+MESSAGE_KINDS = frozenset(
+    {*DPSGD.kinds, *SGP.kinds, *ADPSGD.kinds, *CHOCO.kinds, state.REQUEST, *state.KINDS}
+)
 
 
 def make_peer(
@@ -44,7 +48,8 @@ def make_peer(
         config.listen,
         config.bootstrap,
         advertise=config.advertise,
-        limits=Limits(max_message_bytes=max(model_bytes, STATE_CHUNK_BYTES)),
+        inbox_kinds=MESSAGE_KINDS,
+        limits=Limits(max_message_bytes=max(model_bytes, state.CHUNK_BYTES)),
         profile=PROFILES[config.profile],
         clock=clock,
         first_round=first_round,

@@ -52,6 +52,7 @@ class NodeRecord:
     rejected_by_peer: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> reason -> count
     shunned_peers: list[str] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a restarted node resumed from
+    checkpoint_failures: int = 0  # checkpoints that could not be written (each retried later)
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None
     shard: dict[str, Any] = field(default_factory=dict)  # partition, examples, examples per label
