@@ -85,9 +85,10 @@ class _Replica:
         if self.value is None:
             return True
         start = self.next_round
-        while self.next_round <= upto and (q := self.pending.pop(self.next_round, None)) is not None:
-            self.value += q
-            self.next_round += 1
+        with np.errstate(over="ignore"):  # an overflow is what the check below catches
+            while self.next_round <= upto and (q := self.pending.pop(self.next_round, None)) is not None:
+                self.value += q
+                self.next_round += 1
         if self.next_round == start or _finite(self.value):
             return True
         self.value = None

@@ -46,7 +46,7 @@ class Connections:
 
     Args:
         context: the transport's ZeroMQ context.
-        node_id: sent as each DEALER's routing id.
+        routing_id: sent as each DEALER's routing id (``NODE_ID/TOKEN``: see ``p2p.transport``).
         curve: keys for CURVE, None without.
         send_queue: ZMQ_SNDHWM of each socket.
         linger_ms: ZMQ_LINGER of each socket (on idle or evicted close: 0).
@@ -57,27 +57,27 @@ class Connections:
         self,
         context: zmq.Context[zmq.Socket[bytes]],
         *,
-        node_id: str,
+        routing_id: bytes,
         curve: Curve | None,
         send_queue: int,
         linger_ms: int,
         on_close: Callable[[Target, Connection], None],
         max_connections: int = MAX_CONNECTIONS,
         max_unverified: int = MAX_UNVERIFIED,
-        idle_s: float = IDLE_S,
-        unverified_s: float = UNVERIFIED_S,
+        idle_s: float | None = None,
+        unverified_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._context = context
-        self._node_id = node_id
+        self._routing_id = routing_id
         self._curve = curve
         self._send_queue = send_queue
         self._linger_ms = linger_ms
         self._on_close = on_close
         self._max = max_connections
         self._max_unverified = max_unverified
-        self._idle_s = idle_s
-        self._unverified_s = unverified_s
+        self._idle_s = IDLE_S if idle_s is None else idle_s
+        self._unverified_s = UNVERIFIED_S if unverified_s is None else unverified_s
         self._clock = clock
         self._open: OrderedDict[Target, Connection] = OrderedDict()  # least recently used first
         self.evicted = 0
@@ -137,7 +137,7 @@ class Connections:
         socket = self._context.socket(zmq.DEALER)
         if self._curve is not None:
             configure_client(socket, self._curve.keys, key)
-        socket.setsockopt(zmq.ROUTING_ID, self._node_id.encode())
+        socket.setsockopt(zmq.ROUTING_ID, self._routing_id)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
         # a connection that goes silent (a partition, a crashed host) is dropped and redialed
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)

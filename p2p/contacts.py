@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ipaddress
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable
 
 from p2p.address import AddressError, resolve_all, split_endpoint
@@ -24,7 +23,7 @@ RESOLVE_IDLE_S = 30.0  # once every one is (new addresses may still appear)
 
 class Contacts:
     """Bootstrap names, their addresses and when each is tried next (network thread), resolved
-    in the background while ``running()`` says the node runs."""
+    in the background until ``stopped`` is set."""
 
     def __init__(
         self,
@@ -32,14 +31,14 @@ class Contacts:
         *,
         retry_s: float,
         max_retry_s: float,
-        running: Callable[[], bool],
+        stopped: threading.Event,
         resolve: Callable[[str], list[str]] = resolve_all,
     ) -> None:
         self.names = list(names)
         self.error = ""  # the last resolution error, for the user
         self._retry_s = retry_s
         self._max_retry_s = max_retry_s
-        self._running = running
+        self._stopped = stopped
         self._resolve = resolve
         self._addresses: frozenset[str] = frozenset()
         self._next: dict[str, tuple[float, float]] = {}  # address -> (next try, delay after it)
@@ -52,7 +51,7 @@ class Contacts:
     def due(self, now: float, members: Collection[str], me: str) -> list[str]:
         """The contact addresses to swap tables with now: those not among ``members`` (the
         live members' addresses) whose retry time has come."""
-        if self._resolver is not None and not self._resolver.is_alive() and self._running():
+        if self._resolver is not None and self._resolver.ident is None:
             self._resolver.start()
         due = []
         for address in self._addresses - {me}:
@@ -70,10 +69,11 @@ class Contacts:
         return min((at for at, _ in self._next.values()), default=None)
 
     def _keep_resolving(self) -> None:
-        while self._running():
+        while True:
             self._resolve_all()
             waiting = bool(self._next) or not self._addresses
-            time.sleep(RESOLVE_EVERY_S if waiting else RESOLVE_IDLE_S)
+            if self._stopped.wait(RESOLVE_EVERY_S if waiting else RESOLVE_IDLE_S):
+                return
 
     def _resolve_all(self) -> None:
         addresses: set[str] = set()

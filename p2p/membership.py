@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 
 NOT_YET = 2**62  # the first round of a member that has not started taking part
 MAX_UPDATES_PER_MESSAGE = 16
-NEW_MEMBERS_PER_S = 64.0  # members one peer may add per second...
-NEW_MEMBERS_BURST = 256  # ...after a first burst (a whole table, once)
+NEW_MEMBERS_PER_S = 256.0  # members one peer may add per second...
+NEW_MEMBERS_BURST = 1024  # ...after a first burst (a table of that many, at once)
 BEACON_CONTACTS_PER_S = 2.0  # beacons acted on per second, all senders together
 MAX_FORWARDS = 64  # indirect probes this node runs for others at once
 MAX_EVENTS = 10_000  # membership events kept for the run report
@@ -149,7 +149,7 @@ class Membership:
             bootstrap,
             retry_s=profile.join_retry_s,
             max_retry_s=profile.push_pull_interval_s,
-            running=lambda: not transport.stopped.is_set(),
+            stopped=transport.stopped,
         )
         self._clock = clock
         self._table = MemberTable()
@@ -214,10 +214,12 @@ class Membership:
 
     def leave(self, after_round: int = -1) -> None:
         """Tell every member this node takes part in no gossip round after ``after_round``."""
+        _check_round(after_round, "after_round", -1)
         self._transport.call_soon(lambda: self._say_me(status=Status.LEFT, last_round=after_round))
 
     def start_at_round(self, first_round: int) -> None:
         """Announce that this node (a late joiner) takes part in gossip rounds >= first_round."""
+        _check_round(first_round, "first_round", 0)
         self._transport.call_soon(lambda: self._say_me(first_round=first_round))
 
     def alone(self) -> bool:
@@ -448,8 +450,11 @@ class Membership:
                 self._transport.reject(peer, "bad_membership", str(exc))
                 continue
             first_hand = news.id == message.sender
-            if first_hand and self._transport.curve is not None and news.key != message.key:
+            curve = self._transport.curve
+            if first_hand and curve is not None and news.key != message.key:
                 self._transport.reject(peer, "key_mismatch", f"{news.id}'s record names another key")
+            elif curve is not None and not (news.key and curve.trusted.allows(news.key.encode())):
+                self._transport.stats.drop("member_key_not_trusted")  # a member we could not talk to
             elif news.id == self._me.id:
                 answer = refuted(self._me, news)
                 if answer is not None:
@@ -478,8 +483,13 @@ class Membership:
         if change.event == "joined":
             self._eligible_at[member.id] = now + CONNECT_GRACE_S
             self.joined.set()
-            # swap tables with it: whoever learns of a member makes sure it learns of them
-            self._send_table_to(member, "sync")
+            # whoever learns of a member makes sure it learns of them: a member that came itself
+            # gets our table; one we heard of, our own record (whole tables for every member
+            # named second-hand would cost a table per name)
+            if first_hand:
+                self._send_table_to(member, "sync")
+            else:
+                self._send_to(member, "gossip", {"updates": []})
         if change.event in ("suspected", "dead"):  # so it can refute, or rejoin, as soon as it can
             self._send_to(member, "gossip", {"updates": [member.to_wire()]})
         self._queue(member)
@@ -574,3 +584,10 @@ class Membership:
         address = self._reply_address(message, peer)
         if address is not None:
             self._send(address, kind, payload, key=message.key or None, member=False)
+
+
+def _check_round(value: int, name: str, lowest: int) -> None:
+    """A round this node announces must be one every member can read (a bad one, adopted into
+    this node's own record, would spoil every message it sends)."""
+    if not lowest <= value < NOT_YET:
+        raise ValueError(f"{name} must be in {lowest}..{NOT_YET - 1}, got {value}")

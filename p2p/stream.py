@@ -74,12 +74,12 @@ class Assembler:
         self,
         *,
         max_streams: int = MAX_STREAMS,
-        idle_s: float = IDLE_S,
+        idle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._streams: dict[str, _Stream] = {}
         self._max_streams = max_streams
-        self._idle_s = idle_s
+        self._idle_s = IDLE_S if idle_s is None else idle_s
         self._clock = clock
 
     def add(self, chunk: Chunk, sender: str | None = None) -> Message | None:

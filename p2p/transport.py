@@ -133,8 +133,10 @@ class Transport:
     """Sockets, codec and inbox of one node.
 
     Args:
-        node_id: this node's id; stamped on every message and used as the DEALER routing id,
-            so a receiver can reject a header that claims another sender.
+        node_id: this node's id; stamped on every message and, with a random token after it
+            (``NODE_ID/TOKEN``), used as the DEALER routing id, so a receiver can reject a
+            header that claims another sender, and no peer can take over the connection of
+            another by claiming its id (the receiving ROUTER never sees two alike).
         listen: ``tcp://HOST:PORT`` to bind the ROUTER to (port 0 picks a free port).
         advertise: the address peers dial; default: the bound address, a wildcard host
             replaced by this host's address.
@@ -203,7 +205,7 @@ class Transport:
         self._context = zmq.Context()
         self.connections = Connections(
             self._context,
-            node_id=self.node_id,
+            routing_id=f"{self.node_id}/{secrets.token_hex(8)}".encode(),
             curve=curve,
             send_queue=send_queue,
             linger_ms=self._linger_ms,
@@ -339,7 +341,6 @@ class Transport:
             configure_server(router, self.curve.keys)
         largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
         router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         router.setsockopt(zmq.LINGER, 0)
         try:
             router.bind(bind_form(self.listen))
@@ -421,7 +422,7 @@ class Transport:
 
     def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
         """One received message, in its own error scope: whatever it raises is its rejection."""
-        claimed = routing_id.decode("ascii", errors="replace")
+        claimed = routing_id.decode("ascii", errors="replace").partition("/")[0]
         key = _user_id(frames[0]) if self.curve is not None and frames else ""
         peer = self._identities.name(key, claimed)
         try:

@@ -68,6 +68,7 @@ class _BoundedServer(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` of them."""
 
     daemon_threads = True
+    request_queue_size = 128  # a burst of connections is taken in and refused, not left to retry
 
     def __init__(self, address: tuple[str, int], handler: type[_Handler], max_connections: int) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)

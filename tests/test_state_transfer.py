@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from helpers import started_peers, wait_until
+from helpers import in_background, started_peers, wait_until
 
 from gossip import GossipOptimizer
 from gossip.network import PeerNetwork
@@ -32,20 +32,8 @@ def serving(
     peer: PeerNetwork, take_snapshot: Callable[[], Snapshot], chunk_bytes: int = CHUNK
 ) -> Iterator[None]:
     """Answer state requests on a thread, as a training loop does between its steps."""
-    done = threading.Event()
-    server = StateServer(peer, take_snapshot, chunk_bytes)
-
-    def loop() -> None:
-        while not done.wait(0.01):
-            server.serve()
-
-    thread = threading.Thread(target=loop)
-    thread.start()
-    try:
+    with in_background(StateServer(peer, take_snapshot, chunk_bytes).serve):
         yield
-    finally:
-        done.set()
-        thread.join()
 
 
 def test_a_snapshot_crosses_in_many_chunks_and_arrives_whole() -> None:
