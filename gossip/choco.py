@@ -240,7 +240,11 @@ class CHOCO(Averager):
         members = self.peer.members()
         for gone in self._full_copy_sent_at.keys() - members:
             del self._full_copy_sent_at[gone]
-        if to not in members or now - self._full_copy_sent_at.get(to, -math.inf) < self.round_timeout / 2:
+        if (
+            self._published < 0  # nothing published yet (and round -1 does not go on the wire): it asks again
+            or to not in members
+            or now - self._full_copy_sent_at.get(to, -math.inf) < self.round_timeout / 2
+        ):
             self.dropped["full_copy_request"] += 1
             return
         self._full_copy_sent_at[to] = now

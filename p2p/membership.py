@@ -453,8 +453,10 @@ class Membership:
             curve = self._transport.curve
             if first_hand and curve is not None and news.key != message.key:
                 self._transport.reject(peer, "key_mismatch", f"{news.id}'s record names another key")
-            elif curve is not None and not (news.key and curve.trusted.allows(news.key.encode())):
-                self._transport.stats.drop("member_key_not_trusted")  # a member we could not talk to
+            elif (curve is None and news.key) or (
+                curve is not None and not (news.key and curve.trusted.allows(news.key.encode()))
+            ):
+                self._transport.stats.drop("member_key_not_usable")  # a member we could not talk to
             elif news.id == self._me.id:
                 answer = refuted(self._me, news)
                 if answer is not None:
