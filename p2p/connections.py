@@ -144,7 +144,11 @@ class Connections:
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
         socket.setsockopt(zmq.SNDHWM, self._send_queue)
         socket.setsockopt(zmq.LINGER, self._linger_ms)
-        socket.connect(address)
+        try:
+            socket.connect(address)
+        except zmq.ZMQError:  # an address ZeroMQ cannot dial: no socket is left behind
+            socket.close(linger=0)
+            raise
         connection = self._open[target] = Connection(socket, now, now, verified)
         return connection
 

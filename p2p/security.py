@@ -8,8 +8,11 @@ known yet, a bootstrap address, is tried with every trusted key). Keys are pyzmq
 ``NAME.key`` (public) and ``NAME.key_secret`` (secret, mode 0600).
 
 The trusted folder is re-read whenever its listing changes (a key file added, removed or
-replaced), at the next handshake at least ``RESCAN_S`` after the last look: no restart is
-needed, and a flood of handshakes cannot make the node list the folder more often than that.
+replaced), at the next handshake: no restart is needed. A handshake costs one ``stat`` of the
+folder (a file added or removed changes its time); the files themselves are listed and
+compared (a key replaced in place) at most once per ``RESCAN_S``, so a flood of handshakes
+costs little. A refused handshake is final for the connection that tried it (ZeroMQ does not
+retry it), so a key must be trusted from the moment it is added.
 Revoking a key refuses new connections from it; a connection already open stays until it drops.
 Refused handshakes are counted and logged at most once per key every 10 s.
 """
@@ -91,6 +94,7 @@ class TrustedKeys:
         self._signature: tuple[tuple[str, int, int], ...] | None = None
         self._keys: frozenset[bytes] = frozenset()
         self._looked_at = float("-inf")
+        self._folder_time: int | None = None
         self.current()
         if not self._keys:
             raise SecurityError(f"--trusted {folder} holds no .key files; copy the nodes' public keys there")
@@ -98,10 +102,10 @@ class TrustedKeys:
     def current(self) -> frozenset[bytes]:
         """The trusted public keys (z85), re-read if any key file was added, removed or changed."""
         with self._lock:
-            now = time.monotonic()
-            if now - self._looked_at < RESCAN_S:
+            now, folder_time = time.monotonic(), self._folder_time_ns()
+            if folder_time == self._folder_time and now - self._looked_at < RESCAN_S:
                 return self._keys
-            self._looked_at = now
+            self._looked_at, self._folder_time = now, folder_time
             signature = self._scan()
             if signature != self._signature:
                 self._keys = frozenset(self._read())
@@ -109,6 +113,12 @@ class TrustedKeys:
                     log.warning("trusted keys reloaded from %s: %d keys", self.folder, len(self._keys))
                 self._signature = signature
             return self._keys
+
+    def _folder_time_ns(self) -> int | None:
+        try:
+            return self.folder.stat().st_mtime_ns
+        except OSError:  # gone: the listing below finds nothing
+            return None
 
     def allows(self, key: bytes) -> bool:
         return key in self.current()

@@ -20,7 +20,8 @@ from test_security import curve_for, curve_peers, make_keys
 
 import p2p.connections
 import p2p.stream
-from p2p import Message, Peer, Transport, TransportError
+from p2p import AddressError, Message, Peer, Transport, TransportError
+from p2p.address import parse_endpoint
 from p2p.membership import BEACON_CONTACTS_PER_S
 from p2p.security import NodeKeys, keygen
 from p2p.wire import encode, encode_chunks
@@ -83,6 +84,13 @@ class _Exploding:
 
     def on_tick(self, now: float) -> float:
         return now + 1.0
+
+
+def test_an_address_zeromq_cannot_dial_is_refused_where_it_is_read() -> None:
+    """Found by the live fuzzer: a reply address ZeroMQ refuses to dial raised on the network
+    thread (counted, but it left a socket behind)."""
+    with pytest.raises(AddressError):
+        parse_endpoint("tcp://10.0.0.!:7000")
 
 
 def test_a_handler_that_raises_costs_one_rejected_message_not_the_thread() -> None:
