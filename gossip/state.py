@@ -36,6 +36,7 @@ RETRY_S = 3.0  # a transfer with no chunk for this long is asked for again (a lo
 MAX_TRANSFERS = 2  # state transfers a source starts per RETRY_S, to all requesters together
 MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exact as floats
 POLL_S = 0.25  # how often a fetch looks whether it was cancelled
+REASK_S = 0.5  # a first request that brought nothing this soon is sent once more
 _DTYPES = ("float16", "float32", "float64", "int64")
 
 
@@ -133,14 +134,17 @@ def fetch_snapshot(
     """Ask ``source`` for its state and reassemble it; raises StateTransferError (also when
     ``cancelled()`` turns true: it is asked every ``POLL_S``).
 
-    A transfer that stalls for ``retry_s`` (a request or chunk lost, e.g. to a connection the
-    source still had to this node's previous incarnation) is asked for again under a new id,
-    and chunks of the earlier one are ignored from then on. A source that sends nothing for
-    ``patience_s`` is given up (the caller may try another)."""
+    A request that brings nothing within ``REASK_S`` is sent once more (the first is often
+    lost: sent before this node's connection to the source was up, or before the source knew
+    of this node; a source answers one request per requester per ``RETRY_S / 2``, so never
+    both). A transfer that stalls for ``retry_s`` (a request or chunk lost, e.g. to a
+    connection the source still had to this node's previous incarnation) is asked for again
+    under a new id, and chunks of the earlier one are ignored from then on. A source that sends
+    nothing for ``patience_s`` is given up (the caller may try another)."""
     started = time.monotonic()
     deadline = started + min(timeout, patience_s)
     assembly: _Assembly | None = None
-    transfer, stalls_at = 0, -math.inf
+    transfer, stalls_at, reask_at = 0, -math.inf, math.inf
     while assembly is None or not assembly.complete:
         now = time.monotonic()
         if cancelled():
@@ -152,8 +156,11 @@ def fetch_snapshot(
         if now >= stalls_at:
             transfer, assembly = secrets.randbits(62), None
             peer.send(source, REQUEST, 0, meta={"transfer": transfer})
-            stalls_at = now + retry_s
-        message = peer.recv(min(deadline, stalls_at, now + POLL_S) - now, KINDS)
+            stalls_at, reask_at = now + retry_s, now + REASK_S
+        elif now >= reask_at and assembly is None:
+            peer.send(source, REQUEST, 0, meta={"transfer": transfer})
+            reask_at = math.inf
+        message = peer.recv(min(deadline, stalls_at, reask_at, now + POLL_S) - now, KINDS)
         if message is None or message.sender != source or message.meta.get("transfer") != transfer:
             continue
         stalls_at = time.monotonic() + retry_s

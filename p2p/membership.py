@@ -203,10 +203,6 @@ class Membership:
                 return member.address, member.key
         return None
 
-    def address_of(self, node_id: str) -> str | None:
-        found = self.contact(node_id)
-        return found[0] if found is not None else None
-
     @property
     def join_error(self) -> str:
         """Why the bootstrap names did not resolve, if they did not."""
