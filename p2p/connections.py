@@ -14,6 +14,7 @@ names, can make a node hold more than ``max_connections`` sockets, or hold one f
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,7 +47,11 @@ class Connections:
 
     Args:
         context: the transport's ZeroMQ context.
-        routing_id: sent as each DEALER's routing id (``NODE_ID/TOKEN``: see ``p2p.transport``).
+        node_id: each DEALER's routing id is ``NODE_ID/TOKEN``, a random token per connection:
+            a receiver reads the id a sender claims from it, and no connection, a new one of
+            the same node after a partition or one of an impostor, ever collides with another
+            at the receiving ROUTER (which would refuse it, or with ROUTER_HANDOVER drop the
+            other).
         curve: keys for CURVE, None without.
         send_queue: ZMQ_SNDHWM of each socket.
         linger_ms: ZMQ_LINGER of each socket (on idle or evicted close: 0).
@@ -57,7 +62,7 @@ class Connections:
         self,
         context: zmq.Context[zmq.Socket[bytes]],
         *,
-        routing_id: bytes,
+        node_id: str,
         curve: Curve | None,
         send_queue: int,
         linger_ms: int,
@@ -69,7 +74,7 @@ class Connections:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._context = context
-        self._routing_id = routing_id
+        self._node_id = node_id
         self._curve = curve
         self._send_queue = send_queue
         self._linger_ms = linger_ms
@@ -137,7 +142,7 @@ class Connections:
         socket = self._context.socket(zmq.DEALER)
         if self._curve is not None:
             configure_client(socket, self._curve.keys, key)
-        socket.setsockopt(zmq.ROUTING_ID, self._routing_id)
+        socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}".encode())
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
         # a connection that goes silent (a partition, a crashed host) is dropped and redialed
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)

@@ -464,6 +464,8 @@ class Membership:
                     self._note(news, now, first_hand=first_hand)
                 except ConflictError as exc:
                     self._transport.reject(peer, "member_conflict", str(exc))
+        if self._table.live():  # joined: said once the whole message is in the view (a joiner
+            self.joined.set()  # decides from it whom to take the state of)
 
     def _note(self, news: Member, now: float, *, first_hand: bool = True) -> None:
         """Apply news to the table; on a change, record it, act on it and pass it on."""
@@ -480,7 +482,6 @@ class Membership:
             self._suspicions.pop(member.id, None)
         if change.event == "joined":
             self._eligible_at[member.id] = now + CONNECT_GRACE_S
-            self.joined.set()
             # whoever learns of a member makes sure it learns of them: a member that came itself
             # gets our table; one we heard of, our own record (whole tables for every member
             # named second-hand would cost a table per name)

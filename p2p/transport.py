@@ -48,7 +48,7 @@ import numpy as np
 import zmq
 
 from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
-from p2p.connections import CONNECT_GRACE_S, Connection, Connections, Target, usable_at
+from p2p.connections import CONNECT_GRACE_S, HEARTBEAT_MS, Connection, Connections, Target, usable_at
 from p2p.identities import Identities
 from p2p.inbox import Inbox
 from p2p.ratelimit import QuietLog
@@ -134,9 +134,8 @@ class Transport:
 
     Args:
         node_id: this node's id; stamped on every message and, with a random token after it
-            (``NODE_ID/TOKEN``), used as the DEALER routing id, so a receiver can reject a
-            header that claims another sender, and no peer can take over the connection of
-            another by claiming its id (the receiving ROUTER never sees two alike).
+            (``NODE_ID/TOKEN``, see ``p2p.connections``), used as the DEALER routing id, so a
+            receiver can reject a header that claims another sender.
         listen: ``tcp://HOST:PORT`` to bind the ROUTER to (port 0 picks a free port).
         advertise: the address peers dial; default: the bound address, a wildcard host
             replaced by this host's address.
@@ -205,7 +204,7 @@ class Transport:
         self._context = zmq.Context()
         self.connections = Connections(
             self._context,
-            routing_id=f"{self.node_id}/{secrets.token_hex(8)}".encode(),
+            node_id=self.node_id,
             curve=curve,
             send_queue=send_queue,
             linger_ms=self._linger_ms,
@@ -342,6 +341,9 @@ class Transport:
         largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
         router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
         router.setsockopt(zmq.LINGER, 0)
+        # an inbound connection that goes silent (a crashed host, a partition) is closed
+        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
         try:
             router.bind(bind_form(self.listen))
             self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
