@@ -120,7 +120,18 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             record.t_joined = round(clock(), 3)
         elif announces_later:  # (also when no member trains yet: those present start together)
             peer.start_at_round(0)
-            peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
+            if joins_running_mesh:  # each member present starts with us, or takes our state
+
+                def serving() -> bool:
+                    trainer.optimizer.serve_state()
+                    return cancelled()
+
+                announced = NOT_YET - 1  # the members of this "round" have announced a first round
+                peer.wait_ready(
+                    config.startup_timeout, expect=len(ordered), round=announced, cancelled=serving
+                )
+            else:
+                peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
         if not stop.is_set():
             trainer.run(stop)
         peer.transport.check_running()  # a network that died stopped training: that is a failure
