@@ -77,6 +77,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     peer = make_peer(
         config, model, node_id=node_id, clock=clock, first_round=NOT_YET if announces_later else 0
     )
+    peer.transport.on_failure = lambda _: stop.set()  # a node whose network died must not train on
     metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
     metrics.peer = peer
     status: StatusServer | None = None
@@ -95,7 +96,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             config.progress, f"{node_id} listening on {peer.address}", event="listening", address=peer.address
         )
         if config.metrics_port is not None:
-            status = StatusServer(metrics, config.metrics_port)
+            status = StatusServer(metrics, config.metrics_port, config.metrics_host)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
         peer.wait_ready(config.startup_timeout, expect=expect, cancelled=cancelled)
         ordered = member_order(peer.members())
@@ -107,14 +108,25 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             trainer.resume(checkpoint)
             when["resumed_from"] = str(checkpoint.path)
             say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {trainer.steps})")
-        if joins_running_mesh and len(ordered) > 1 and not stop.is_set():
-            trainer.join_running_mesh()
+        if joins_running_mesh and len(ordered) > 1 and trainer.join_running_mesh(cancelled):
             when["t_joined"] = round(clock(), 3)
-        elif announces_later:
+        elif announces_later:  # (also when no member trains yet: those present start together)
             peer.start_at_round(0)
-            peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
+            if joins_running_mesh:  # each member present starts with us, or takes our state
+
+                def serving() -> bool:
+                    trainer.optimizer.serve_state()
+                    return cancelled()
+
+                announced = NOT_YET - 1  # the members of this "round" have announced a first round
+                peer.wait_ready(
+                    config.startup_timeout, expect=len(ordered), round=announced, cancelled=serving
+                )
+            else:
+                peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
         if not stop.is_set():
             trainer.run(stop)
+        peer.transport.check_running()  # a network that died stopped training: that is a failure
         outcome = "finished"
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -145,8 +157,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
 def _save(
     config: NodeConfig, record: NodeRecord, model: torch.nn.Module, peer: Peer, wall_time_s: float
 ) -> None:
-    if config.save_params is not None:
-        _save_array(config.save_params, host_vector(model.parameters()))
+    """The report first (it says what happened, whatever fails after it), then the parameters."""
     if config.report is not None:
         report = build_report(
             wall_time_s=round(wall_time_s, 3),
@@ -156,6 +167,8 @@ def _save(
             membership_events=peer.membership.events,
         )
         write_json(config.report, report)
+    if config.save_params is not None:
+        _save_array(config.save_params, host_vector(model.parameters()))
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:

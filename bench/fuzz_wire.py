@@ -1,6 +1,10 @@
-"""Long fuzz run of the wire decoder (the test suite runs a short one): mutated and random
-messages until the time is up; any exception other than WireError is a bug and is printed with
-the message that caused it.
+"""A live node fuzzed for minutes (the test suite runs seconds of the same, tests/test_fuzz_live.py).
+
+The structure-aware fuzzer of ``tests/fuzz_live.py`` (hypothesis strategies from the wire schema,
+mutations of valid messages of every kind, streams and beacons) sends to a node running in a
+process of its own, as the daemon runs it, until the time is up. Every 30 s and at the end it
+prints what was sent, how the node took it, the node's deaths (its network thread stopping or a
+reader raising: must stay 0) and its resident memory (must stay bounded).
 
     python bench/fuzz_wire.py --seconds 600
 """
@@ -8,42 +12,96 @@ the message that caused it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
-import traceback
-from collections import Counter
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from wire_fuzz import hostile_messages
+from fuzz_live import Fuzzer, FuzzTarget, fuzz, settle
+from hostile import free_udp_port, resident_bytes
 
-from p2p.wire import Limits, WireError, decode
+BATCH = 500  # examples per hypothesis run
+REPORT_EVERY_S = 30.0
+
+
+def serve_target(beacon_port: int, control: Connection) -> None:
+    """The node under fuzz, in its own process: answers ``stats`` until ``stop``."""
+    target = FuzzTarget(beacon_port)
+    target.start()
+    control.send(target.target.address)
+    while (command := control.recv()) != "stop":
+        if command == "settle":
+            settle(target)
+        stats = target.target.stats
+        control.send(
+            {
+                "deaths": target.deaths,
+                "rss_mib": resident_bytes() / 2**20,
+                "received": stats.messages_received,
+                "rejected": stats.messages_rejected,
+                "read_by_algorithms": target.taken,
+                "first_error": target.errors[0] if target.errors else target.target.transport.failure,
+                "reasons": dict(stats.rejected.most_common(6)),
+            }
+        )
+    target.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    reasons: Counter[str] = Counter()
-    crashes = 0
-    deadline = time.monotonic() + args.seconds
-    limits = Limits(max_message_bytes=1 << 20)
-    for count, frames in enumerate(hostile_messages(args.seed, "fuzzer"), start=1):
-        try:
-            decode(frames, limits)
-            reasons["decoded"] += 1
-        except WireError as exc:
-            reasons[exc.reason] += 1
-        except Exception:
-            crashes += 1
-            print(f"CRASH on {frames!r}:\n{traceback.format_exc()}", file=sys.stderr)
-        if count % 10_000 == 0 and time.monotonic() > deadline:
-            break
-    outcomes = dict(reasons.most_common())
-    print(f"{count:,} messages in {args.seconds:g} s, {crashes} crashes; outcomes: {outcomes}")
-    return 1 if crashes else 0
+    port = free_udp_port()
+    control, remote = multiprocessing.get_context("spawn").Pipe()
+    node = multiprocessing.get_context("spawn").Process(target=serve_target, args=(port, remote))
+    node.start()
+    fuzzer = Fuzzer(control.recv(), port)
+    started = time.monotonic()
+    first = _stats(control)
+    print(f"node up: {first['rss_mib']:.1f} MiB resident", flush=True)
+
+    next_report = started + REPORT_EVERY_S
+    peak = first["rss_mib"]
+    while (now := time.monotonic()) < started + args.seconds:
+        fuzz(fuzzer, BATCH)
+        if now >= next_report:
+            stats = _stats(control)
+            peak = max(peak, stats["rss_mib"])
+            _print(now - started, fuzzer.sent, stats)
+            next_report += REPORT_EVERY_S
+    stats = _stats(control, "settle")
+    peak = max(peak, stats["rss_mib"])
+    _print(time.monotonic() - started, fuzzer.sent, stats)
+    print(
+        f"done: {args.seconds:g} s, {fuzzer.sent:,} inputs, {stats['deaths']} deaths, resident "
+        f"{first['rss_mib']:.1f} MiB at start, {stats['rss_mib']:.1f} MiB at the end, {peak:.1f} MiB peak"
+    )
+    if stats["first_error"]:
+        print(f"first death:\n{stats['first_error']}", file=sys.stderr)
+    control.send("stop")
+    node.join(30)
+    fuzzer.close()
+    return 1 if stats["deaths"] else 0
+
+
+def _stats(control: Connection, command: str = "stats") -> dict[str, Any]:
+    control.send(command)
+    stats: dict[str, Any] = control.recv()
+    return stats
+
+
+def _print(elapsed: float, sent: int, stats: dict[str, Any]) -> None:
+    print(
+        f"[{elapsed:6.0f} s] sent {sent:,}; node: {stats['received']:,} taken in, "
+        f"{stats['rejected']:,} rejected ({stats['reasons']}), "
+        f"{stats['read_by_algorithms']:,} read by algorithms, "
+        f"deaths {stats['deaths']}, resident {stats['rss_mib']:.1f} MiB",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ renormalisation: the node just does not move towards it.
 
 Every holder must receive every q of its sender, so CHOCO runs on static undirected graphs.
 
+What arrives is checked where it is used: a q must decode to finite values (the codecs refuse
+anything else), a full copy must be finite, and a replica that the q's of a diverged neighbour
+have made non-finite is dropped and asked for afresh (``rejected["non_finite"]``) rather than
+mixed in. A full copy is sent only to a member, and to each at most twice per round timeout,
+however often it asks.
+
 The parameters may live on a CUDA device (a cupy view of the model's flat buffer,
 ``gossip.arrays.from_torch``): then the public copies, the replicas, the differences, the codec
 and the mixing all run as kernels there, and only the encoded frames cross to the host (staged
@@ -43,7 +49,7 @@ from gossip.arrays import Array, array_module, to_device, to_host
 from gossip.averager import Averager, Needs, RoundStats
 from gossip.compression import Codec, CodecError, Sparse
 from gossip.network import Envelope, PeerNetwork
-from gossip.vector import Layout, add_scaled
+from gossip.vector import Layout, add_scaled, all_finite
 from topologies import MixingRow, Topology
 
 KIND = "choco"
@@ -73,13 +79,20 @@ class _Replica:
     pending: dict[int, Array] = field(default_factory=dict)  # q's not added yet
     asked_at: float = -math.inf  # when the full copy was last requested (peer.now() s)
 
-    def catch_up(self, upto: int) -> None:
-        """Add the pending q's of rounds up to ``upto`` that follow on without a gap."""
+    def catch_up(self, upto: int) -> bool:
+        """Add the pending q's of rounds up to ``upto`` that follow on without a gap; False when
+        that made the value non-finite (then it is dropped: the full copy is asked again)."""
         if self.value is None:
-            return
-        while self.next_round <= upto and (q := self.pending.pop(self.next_round, None)) is not None:
-            self.value += q
-            self.next_round += 1
+            return True
+        start = self.next_round
+        with np.errstate(over="ignore"):  # an overflow is what the check below catches
+            while self.next_round <= upto and (q := self.pending.pop(self.next_round, None)) is not None:
+                self.value += q
+                self.next_round += 1
+        if self.next_round == start or _finite(self.value):
+            return True
+        self.value = None
+        return False
 
     @property
     def has_gap(self) -> bool:
@@ -126,18 +139,23 @@ class CHOCO(Averager):
         self.public = params.copy()  # x̂_i
         self._published = -1  # the last round whose q is in self.public
         self._replicas: dict[str, _Replica] = {}
+        self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
 
     def after_step(self) -> RoundStats:
         self._time_round()
         r = self.round
         encoded = self.codec.encode(self.params - self.public)
-        self.public += self.codec.decode(encoded.frames, encoded.meta, self.public.size)
-        self._published = r
         row = self._row(r)
-        frames = to_host(encoded.frames)
-        for target in row.send_to:
-            self.peer.send(target, KIND, r, frames, encoded.meta)
+        try:
+            self.public += self.codec.decode(encoded.frames, encoded.meta, self.public.size)
+        except CodecError as exc:  # this node's own model diverged: nothing it could send is sane
+            self.dropped[f"own_update_{exc.reason}"] += 1
+        else:
+            self._published = r
+            frames = to_host(encoded.frames)
+            for target in row.send_to:
+                self.peer.send(target, KIND, r, frames, encoded.meta)
         started = self.peer.now()
         expected = self._gather(r, row)
         wait_s = self.peer.now() - started
@@ -165,7 +183,7 @@ class CHOCO(Averager):
             del self._replicas[gone]
         for j in row.receive_from:
             replica = self._replicas.setdefault(j, _Replica())
-            replica.catch_up(r)
+            self._catch_up(replica, r)
             if replica.value is None:
                 self._ask_full_copy(j, replica)
         expected = set(row.receive_from) - self._silent
@@ -184,8 +202,7 @@ class CHOCO(Averager):
     def _take(self, message: Envelope) -> None:
         sender = message.sender
         if message.kind == FULL_REQUEST:
-            self.peer.send(sender, FULL, self._published, to_host([self.public.copy()]))
-            self.full_copies_sent += 1
+            self._send_full_copy(sender)
             return
         if message.kind == FULL:
             if self._valid(message, self.vector_layout):
@@ -194,7 +211,7 @@ class CHOCO(Averager):
                 replica.value = array_module(self.params).array(message.tensors[0], dtype=self.params.dtype)
                 replica.next_round = message.round + 1
                 replica.pending = {k: q for k, q in replica.pending.items() if k > message.round}
-                replica.catch_up(self.round)
+                self._catch_up(replica, self.round)
             return
         try:
             q = self.codec.decode(to_device(message.tensors, self.params), message.meta, self.params.size)
@@ -207,11 +224,33 @@ class CHOCO(Averager):
         if message.round < replica.next_round:
             return  # already in the full copy this replica started from
         replica.pending[message.round] = q
-        replica.catch_up(self.round)
+        self._catch_up(replica, self.round)
         if replica.value is None or replica.has_gap:
             if len(replica.pending) > MAX_PENDING:
                 replica.pending.clear()
             self._ask_full_copy(sender, replica)
+
+    def _catch_up(self, replica: _Replica, upto: int) -> None:
+        if not replica.catch_up(upto):
+            self.rejected["non_finite"] += 1
+
+    def _send_full_copy(self, to: str) -> None:
+        """Answer a request for our public copy: a member's, at most once per half round
+        timeout (it asks at most once per round timeout)."""
+        now = self.peer.now()
+        members = self.peer.members()
+        for gone in self._full_copy_sent_at.keys() - members:
+            del self._full_copy_sent_at[gone]
+        if (
+            self._published < 0  # nothing published yet (and round -1 does not go on the wire): it asks again
+            or to not in members
+            or now - self._full_copy_sent_at.get(to, -math.inf) < self.round_timeout / 2
+        ):
+            self.dropped["full_copy_request"] += 1
+            return
+        self._full_copy_sent_at[to] = now
+        self.peer.send(to, FULL, self._published, to_host([self.public.copy()]))
+        self.full_copies_sent += 1
 
     def _ask_full_copy(self, node: str, replica: _Replica) -> None:
         """Request ``node``'s public copy, at most once per round timeout."""
@@ -231,3 +270,11 @@ class CHOCO(Averager):
             total += row.receive_from[j]
         add_scaled(self.params, self.public, -self.gamma * total, self._scratch)
         return set(usable)
+
+
+def _finite(value: Array) -> bool:
+    return (
+        all_finite(value)
+        if isinstance(value, np.ndarray)
+        else bool(array_module(value).isfinite(value).all())
+    )

@@ -4,7 +4,8 @@
 A codec turns a float32 vector into wire frames plus a small meta dict, and back. Decoding is a
 pure function of (frames, meta, size), the same on every node, so a sender can apply to its own
 public copy exactly what its receivers apply (CHOCO-SGD relies on that). Decoding checks every
-frame against the vector size before building anything, and raises :class:`CodecError` with a
+frame against the vector size before building anything, and what it decodes is finite (int8's
+scales are bounded so that no decoded value overflows), or it raises :class:`CodecError` with a
 reason the node counts: frames come from the network.
 
 Sparse codecs pick the cheaper of two formats per message: ``index`` (uint32 positions + float32
@@ -31,6 +32,7 @@ from topologies.spec import Params, number, parse_spec, spellings
 
 INT8_BLOCK = 256  # elements sharing one int8 scale: 4 bytes of scale per 256 bytes of values
 _FP16_MAX = float(np.finfo(np.float16).max)
+_INT8_MAX_SCALE = float(np.finfo(np.float32).max) / 127  # the largest an encoder makes
 _INDEX_BYTES = 4
 
 
@@ -64,7 +66,7 @@ class Codec:
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         (values,) = _expect(frames, [(np.float32, size)])
-        return values
+        return _check_finite(values)
 
     @staticmethod
     def parse(spec: str, seed: int | None = None) -> Codec:
@@ -95,7 +97,7 @@ class Float16(Codec):
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         (values,) = _expect(frames, [(np.float16, size)])
-        return values.astype(np.float32)
+        return _check_finite(values.astype(np.float32))
 
 
 class BFloat16(Codec):
@@ -115,7 +117,7 @@ class BFloat16(Codec):
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         (top,) = _expect(frames, [(np.uint16, size)])
-        return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return _check_finite((top.astype(np.uint32) << np.uint32(16)).view(np.float32))
 
 
 class Int8(Codec):
@@ -136,10 +138,15 @@ class Int8(Codec):
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         q, scales = _expect(frames, [(np.int8, size), (np.float32, _block_count(size))])
         _check_finite(scales)
+        if not bool((array_module(scales).abs(scales) <= _INT8_MAX_SCALE).all()):
+            raise CodecError(
+                "codec_scale", f"an int8 scale above {_INT8_MAX_SCALE:.3g}: no encoder makes one"
+            )
         padded = _padded(q)
         blocks = padded.reshape(-1, INT8_BLOCK)
-        blocks *= scales[:, None]
-        return padded[:size]
+        with np.errstate(over="ignore"):  # -128 at the largest scale overflows: refused just below
+            blocks *= scales[:, None]
+        return _check_finite(padded[:size])
 
 
 class Sparse(Codec):
@@ -220,9 +227,11 @@ def _expect(frames: Sequence[Array], shapes: list[tuple[type, int]]) -> list[Arr
     return list(frames)
 
 
-def _check_finite(values: Array) -> None:
+def _check_finite(values: Array) -> Array:
+    """``values``, if none is NaN or infinite."""
     if not array_module(values).isfinite(values).all():
         raise CodecError("non_finite", "NaN or infinite values")
+    return values
 
 
 def _block_count(size: int) -> int:

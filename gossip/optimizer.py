@@ -29,7 +29,7 @@ from gossip.network import PeerNetwork
 from gossip.outer import OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.robust import RobustRule
-from gossip.state import Snapshot, StateTransferError, fetch_snapshot, serve_requests
+from gossip.state import Snapshot, StateServer, StateTransferError, fetch_snapshot
 from topologies import Topology
 
 DPSGD_ALGORITHM = Algorithm("dpsgd")
@@ -159,6 +159,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         )
         self._rounds_at_start = 0
         self._started: float | None = None
+        self._state_server = StateServer(peer, self.snapshot)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The wrapped optimizer's step (with ``closure``, as torch's), then a gossip round when
@@ -324,15 +325,31 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.local_steps = int(snapshot.counters.get("local_steps", 0))
 
     def serve_state(self) -> int:
-        """Answer newcomers' state requests waiting in the inbox; never blocks."""
-        return serve_requests(self.peer, self.snapshot)
+        """Answer newcomers' state requests waiting in the inbox (within ``gossip.state``'s
+        limits); never blocks."""
+        return self._state_server.serve()
 
-    def join_from(self, source: str, *, timeout: float) -> int:
+    def join_from(
+        self,
+        source: str,
+        *,
+        timeout: float,
+        patience_s: float = math.inf,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> int:
         """Take ``source``'s state unless this node has trained at least as far (one resumed
         from its own checkpoint), start a few rounds ahead of it (time for the mesh to hear),
-        announce that round and return it."""
+        announce that round and return it. Raises StateTransferError (see
+        ``gossip.state.fetch_snapshot`` for ``patience_s`` and ``cancelled``)."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
-        snapshot = fetch_snapshot(self.peer, source, timeout=timeout, max_bytes=max_bytes)
+        snapshot = fetch_snapshot(
+            self.peer,
+            source,
+            timeout=timeout,
+            max_bytes=max_bytes,
+            patience_s=patience_s,
+            cancelled=cancelled,
+        )
         if snapshot.counters.get("local_steps", 0) > self.local_steps:
             self.restore(snapshot)
         lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2

@@ -7,13 +7,18 @@ towards each neighbour by its mixing weight, but by at most ``tau`` in norm::
     x_i <- x_i + sum_j W_ij * clip(x_j - x_i, tau),   clip(z, tau) = z * min(1, tau / ||z||)
 
 so a neighbour, however wrong, moves i by at most ``W_ij * tau`` per round. ``tau`` adapts each
-round: the distance to the ``(d - b)``-th closest of i's ``d`` neighbours (``b``: how many bad
-neighbours to tolerate), so the ``b`` farthest are clipped to that radius and the others pass
-untouched.
+round: the distance to the ``(d - b)``-th closest of the ``d`` neighbours whose values arrived
+(``b``: how many bad neighbours to tolerate), so the ``b`` farthest are clipped to that radius
+and the others pass untouched. With ``b`` or fewer arrivals none can be told from a bad one:
+``tau`` is 0 and node i stays where it is.
 
 ``trimmed-mean`` is the coordinate-wise trimmed mean (BRIDGE; Yang & Bajwa 2019): for every
 coordinate, of i's own value and its neighbours', the ``b`` largest and ``b`` smallest are
-dropped and the rest averaged (with equal weights). It needs more than ``2b`` values.
+dropped and the rest averaged (with equal weights). With ``2b`` values or fewer (neighbours
+fell silent) that would drop them all: node i keeps its own value.
+
+So both rules are defined for any number of arrivals, and neither lets ``b`` neighbours move a
+node that hears from no more than ``b``.
 
 Both cost a few model-sized temporaries per round; they are for meshes where a trusted node may
 still be faulty or compromised. CURVE keeps strangers out; these keep a bad insider's influence
@@ -72,7 +77,7 @@ def clipped_gossip(
     differences = {j: value.astype(np.float64) - own for j, (value, _) in neighbours.items()}
     distances = {j: float(np.linalg.norm(d)) for j, d in differences.items()}
     ranked = sorted(distances.values())
-    tau = ranked[max(len(ranked) - tolerate, 1) - 1]
+    tau = ranked[len(ranked) - tolerate - 1] if len(ranked) > tolerate else 0.0
     step = np.zeros(own.shape, np.float64)
     for j, difference in differences.items():
         scale = 1.0 if distances[j] <= tau else tau / distances[j]
@@ -81,11 +86,10 @@ def clipped_gossip(
 
 
 def trimmed_mean(own: np.ndarray, values: list[np.ndarray], tolerate: int, out: np.ndarray) -> None:
-    """Coordinate-wise mean of ``own`` and ``values`` without the ``tolerate`` extremes at each end."""
+    """Coordinate-wise mean of ``own`` and ``values`` without the ``tolerate`` extremes at each
+    end; ``own`` when that would leave nothing."""
+    if len(values) + 1 <= 2 * tolerate:
+        np.copyto(out, own)
+        return
     stacked = np.sort(np.stack([own, *values]), axis=0)
-    keep = stacked.shape[0] - 2 * tolerate
-    if keep < 1:
-        raise RobustError(
-            f"trimmed-mean:b={tolerate} needs more than {2 * tolerate} values, got {stacked.shape[0]}"
-        )
-    np.mean(stacked[tolerate : tolerate + keep], axis=0, out=out)
+    np.mean(stacked[tolerate : stacked.shape[0] - tolerate], axis=0, out=out)

@@ -58,6 +58,7 @@ class NodeRecord:
     rejected_by_peer: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> reason -> count
     shunned_peers: list[str] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a restarted node resumed from
+    checkpoint_failures: int = 0  # checkpoints that could not be written (each retried later)
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None
     shard: dict[str, Any] = field(default_factory=dict)  # partition, examples, examples per label
@@ -74,6 +75,7 @@ class Progress:
     timeline: list[TimelinePoint] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)  # held-out loss and accuracy at the end
     shard: dict[str, Any] = field(default_factory=dict)
+    checkpoint_failures: int = 0  # checkpoints that could not be written (and were tried again)
 
 
 def node_record(
@@ -104,6 +106,7 @@ def node_record(
         final=progress.final,
         timeline=progress.timeline,
         shard=progress.shard,
+        checkpoint_failures=progress.checkpoint_failures,
         bytes_sent=network.bytes_sent if network else last.bytes_sent if last else 0,
         **when,
     )

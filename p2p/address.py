@@ -6,7 +6,11 @@ import re
 import socket
 from contextlib import ExitStack
 
-_TCP = re.compile(r"(?:tcp://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(?P<port>\d{1,5})\Z")
+# a host: [IPv6], or an IPv4 address or DNS name (letters, digits, '.', '-', '_'), or * (any)
+_TCP = re.compile(
+    r"(?:tcp://)?(?P<host>\[[0-9a-fA-F:.]+\]|\*|[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9_])?)"
+    r":(?P<port>\d{1,5})\Z"
+)
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _WILDCARDS = {"*", "0.0.0.0", "[::]"}
 

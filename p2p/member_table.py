@@ -6,6 +6,13 @@ life, SWIM's incarnation numbers order the news: only the member itself raises i
 incarnation (to refute a suspicion), ``suspect`` beats ``alive`` of the same incarnation,
 ``alive`` needs a higher one to clear a suspicion or a false death, and ``left`` is final.
 Dead and departed lives stay as tombstones for a while, so stale gossip cannot resurrect them.
+
+News comes first-hand (a node's own record, in a message it sent) or second-hand (relayed, or
+a verdict of another node's failure detector). Second-hand news cannot say a node left (only
+the node itself can), cannot replace a live member's life with another, and cannot raise a
+member's incarnation by more than one; no news may change the address or key of a life. So a
+member, even a trusted one, cannot take over or evict another by what it gossips: whatever it
+says second-hand the subject refutes (``refuted``), and its first-hand news is only about itself.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from typing import Any
 from p2p.address import AddressError, check_node_id, parse_endpoint
 
 _U63 = 2**63 - 1
+MAX_ADDRESS_CHARS = 300
+MAX_INCARNATION = 2**32  # a life raises its incarnation by one or two per refutation: far below
 _Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 
 
@@ -65,16 +74,17 @@ class Member:
         node_id, address, session, incarnation, status, first_round, last_round, key = raw
         if not isinstance(key, str) or not (key == "" or _Z85_KEY.match(key)):
             raise ValueError("member key must be a 40-character z85 CURVE key or empty")
-        if not isinstance(node_id, str) or not isinstance(address, str):
-            raise ValueError("member id and address must be strings")
+        if not isinstance(node_id, str) or not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
+            raise ValueError(f"member id and address must be strings (addresses of <= {MAX_ADDRESS_CHARS})")
         try:
             check_node_id(node_id)
             address = parse_endpoint(address)
         except AddressError as exc:
             raise ValueError(str(exc)) from None
-        for value in (session, incarnation):
-            if type(value) is not int or not 0 <= value <= _U63:
-                raise ValueError("session and incarnation must be non-negative ints")
+        if type(session) is not int or not 0 <= session <= _U63:
+            raise ValueError("session must be a non-negative 63-bit int")
+        if type(incarnation) is not int or not 0 <= incarnation <= MAX_INCARNATION:
+            raise ValueError(f"incarnation must be an int in 0..{MAX_INCARNATION}")
         for value in (first_round, last_round):
             if type(value) is not int or not -1 <= value <= _U63:
                 raise ValueError("rounds must be ints >= -1")
@@ -89,6 +99,10 @@ class Change:
     event: str | None  # joined | suspected | alive | dead | left | None (e.g. a new first round)
 
 
+class ConflictError(ValueError):
+    """News that gives a known life another address or key: never true, so counted."""
+
+
 class MemberTable:
     """Every known life but this node's own; single-threaded (the network thread owns it)."""
 
@@ -96,11 +110,21 @@ class MemberTable:
         self.members: dict[str, Member] = {}
         self._ended: dict[tuple[str, int], float] = {}  # (id, session) of dead or left lives -> when
 
-    def apply(self, news: Member, now: float) -> Change | None:
-        """Merge one piece of news; returns the change it makes, if any."""
+    def apply(self, news: Member, now: float, *, first_hand: bool = True) -> Change | None:
+        """Merge one piece of news (``first_hand``: from the member itself, or this node's own
+        verdict); returns the change it makes, if any. Raises ConflictError for news that gives a
+        known life another address or key."""
         current = self.members.get(news.id)
         if (news.id, news.session) in self._ended:
             return None  # a life that already ended: nothing can bring it back
+        if (
+            current is not None
+            and current.session == news.session
+            and ((news.address, news.key) != (current.address, current.key))
+        ):
+            raise ConflictError(f"{news.id} is at {current.address}, not {news.address}, or has another key")
+        if not first_hand and not _believable(news, current):
+            return None
         if current is not None and current.session != news.session:
             if not news.status.live:
                 self._end(news, now)
@@ -140,6 +164,15 @@ class MemberTable:
         self._ended.setdefault((member.id, member.session), now)
 
 
+def _believable(news: Member, current: Member | None) -> bool:
+    """Whether second-hand news may be applied at all."""
+    if news.status == Status.LEFT:
+        return False  # only the member itself says it leaves
+    if current is None or not current.status.live:
+        return True
+    return news.session == current.session and news.incarnation <= current.incarnation + 1
+
+
 def _supersedes(news: Member, current: Member) -> bool:
     """SWIM's precedence within one life."""
     if current.status == Status.LEFT:
@@ -156,18 +189,25 @@ def _supersedes(news: Member, current: Member) -> bool:
 
 
 def refuted(me: Member, news: Member) -> Member | None:
-    """This node's answer to news of its own suspicion or death in this life, else None.
+    """This node's answer to news about its life that is not what it says of itself, else None.
 
-    A suspicion is refuted with a higher incarnation. A death cannot be (the life is a
-    tombstone everywhere): the node starts a new life, which the others see as a rejoin.
+    A death cannot be refuted (the life is a tombstone everywhere): the node starts a new life,
+    which the others see as a rejoin. Anything else (a suspicion, a departure, another address,
+    key or round, a higher incarnation) is refuted with its own record at an incarnation above
+    the news', at most two above its own (others take second-hand news at most one ahead);
+    should that pass MAX_INCARNATION, with a new life. News of an older life, or older than
+    this node's incarnation, needs no answer.
     """
-    if news.session != me.session or news.status in (Status.ALIVE, Status.LEFT):
+    if me.status == Status.LEFT or news.session != me.session:
         return None
     if news.status == Status.DEAD:
         return replace(me, session=new_session(), incarnation=0)
-    if news.incarnation < me.incarnation:
+    if news.incarnation < me.incarnation or news == me:
         return None
-    return replace(me, incarnation=news.incarnation + 1)
+    incarnation = max(me.incarnation, min(news.incarnation, me.incarnation + 1)) + 1
+    if incarnation > MAX_INCARNATION:
+        return replace(me, session=new_session(), incarnation=0)
+    return replace(me, incarnation=incarnation)
 
 
 def new_session() -> int:

@@ -3,8 +3,9 @@
 Runs on the network thread as a transport service; no node is special.
 
 - Join: a node sends its member table (``sync``) to its bootstrap addresses (any live members;
-  a DNS name counts for every address it resolves to, re-resolved until the node has joined)
-  and merges the table that comes back. With no bootstrap it is a mesh of one, waiting.
+  a DNS name counts for every address it resolves to) and merges the table that comes back,
+  until each of them is a member (``p2p.contacts``). With no bootstrap it is a mesh of one,
+  waiting. A table goes in chunks that fit a message, whatever the mesh's size.
 - Dissemination: every change is re-gossiped a few times (piggybacked on probes, and to a few
   random members every ``gossip_interval_s``); every ``push_pull_interval_s`` a node swaps its
   whole table with a random member (anti-entropy).
@@ -23,6 +24,12 @@ The view (``members(round)``) is round-aware so that nodes that learn of a chang
 different times still agree on each round's graph: a member that left after round R counts for
 rounds up to R, and a late joiner counts from the round it announced. A dead member is gone at
 once: a crash announces nothing.
+
+What a member says is weighed by who says it (``p2p.member_table``): news about a node from the
+node itself (with CURVE: under the key of its record) is first-hand; everything else is
+second-hand, and any news about this node that differs from what it says of itself is refuted.
+A peer can add only so many new members per second; every table, queue and timer here is
+bounded, so no member, trusted or not, can make a node hold more by what it sends.
 """
 
 from __future__ import annotations
@@ -37,16 +44,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from p2p.address import AddressError, parse_endpoint, resolve_all
-from p2p.member_table import Change, Member, MemberTable, Status, new_session, refuted
+from p2p.address import AddressError, parse_endpoint
+from p2p.connections import CONNECT_GRACE_S
+from p2p.contacts import Contacts
+from p2p.member_table import Change, ConflictError, Member, MemberTable, Status, new_session, refuted
+from p2p.outbox import Outbox, table_chunks
+from p2p.ratelimit import Bucket, KeyedLimiter, QuietLog
 from p2p.transport import Transport
 from p2p.wire import Message
 
 log = logging.getLogger(__name__)
 
 NOT_YET = 2**62  # the first round of a member that has not started taking part
-CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: dial, then speak
 MAX_UPDATES_PER_MESSAGE = 16
+NEW_MEMBERS_PER_S = 256.0  # members one peer may add per second...
+NEW_MEMBERS_BURST = 1024  # ...after a first burst (a table of that many, at once)
+BEACON_CONTACTS_PER_S = 2.0  # beacons acted on per second, all senders together
+MAX_FORWARDS = 64  # indirect probes this node runs for others at once
+MAX_EVENTS = 10_000  # membership events kept for the run report
 
 
 @dataclass(frozen=True)
@@ -129,7 +144,13 @@ class Membership:
         self.joined = threading.Event()
         self._transport = transport
         transport.on_unreachable = self._on_unreachable
-        self._bootstrap = list(bootstrap)
+        transport.screen = self.screen
+        self._contacts = Contacts(
+            bootstrap,
+            retry_s=profile.join_retry_s,
+            max_retry_s=profile.push_pull_interval_s,
+            stopped=transport.stopped,
+        )
         self._clock = clock
         self._table = MemberTable()
         key = transport.curve.keys.public.decode() if transport.curve is not None else ""
@@ -141,16 +162,18 @@ class Membership:
         self._probe: _Probe | None = None
         self._probe_order: list[str] = []
         self._probe_ids = itertools.count(self._rng.randrange(1, 2**62))
-        self._forwards: dict[int, tuple[str, int, float]] = {}  # my probe -> requester, its probe, expiry
+        # my probe -> requester's address and key, its probe, expiry
+        self._forwards: dict[int, tuple[str, str | None, int, float]] = {}
         self._suspicions: dict[str, float] = {}  # member id -> when it is declared dead
         self._broadcasts: dict[str, tuple[Member, int]] = {}  # member id -> news, transmissions left
         self._eligible_at: dict[str, float] = {}  # new members are probed once their connection is up
         self._hurried: dict[str, float] = {}  # member -> until when it cannot be hurried again
         self._started = False
-        self._dialed: dict[str, float] = {}  # address -> when its connection can be used
-        self._later: list[tuple[float, str, str, dict[str, Any]]] = []  # sends waiting for a dial
-        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "join": 0.0, "reconnect": 0.0}
-        self.join_error = ""
+        self._outbox = Outbox(transport)
+        self._new_members = KeyedLimiter(NEW_MEMBERS_PER_S, NEW_MEMBERS_BURST)
+        self._beacons = Bucket(BEACON_CONTACTS_PER_S, 2 * BEACON_CONTACTS_PER_S, time.monotonic())
+        self._log = QuietLog(log, per_s=10.0)
+        self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "reconnect": 0.0}
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -173,18 +196,26 @@ class Membership:
             counts[member.status.value] += 1
         return counts
 
-    def address_of(self, node_id: str) -> str | None:
+    def contact(self, node_id: str) -> tuple[str, str] | None:
+        """The address and CURVE key ("" without CURVE) of live member ``node_id``."""
         for member in self._view:
             if member.id == node_id and member.status.live:
-                return member.address
+                return member.address, member.key
         return None
+
+    @property
+    def join_error(self) -> str:
+        """Why the bootstrap names did not resolve, if they did not."""
+        return self._contacts.error
 
     def leave(self, after_round: int = -1) -> None:
         """Tell every member this node takes part in no gossip round after ``after_round``."""
+        _check_round(after_round, "after_round", -1)
         self._transport.call_soon(lambda: self._say_me(status=Status.LEFT, last_round=after_round))
 
     def start_at_round(self, first_round: int) -> None:
         """Announce that this node (a late joiner) takes part in gossip rounds >= first_round."""
+        _check_round(first_round, "first_round", 0)
         self._transport.call_soon(lambda: self._say_me(first_round=first_round))
 
     def alone(self) -> bool:
@@ -192,14 +223,22 @@ class Membership:
         return not self._table.live()
 
     def add_contact(self, node_id: str, address: str, key: str = "") -> None:
-        """A node heard of some other way (a beacon): swap tables with it unless it is known
-        (network thread). This joins lone nodes and merges meshes that started apart. ``key``
-        is only a hint: the transport dials with it only if it is trusted."""
+        """A node heard of some other way (a beacon): swap tables with it unless it is a live
+        member (network thread). This joins lone nodes and merges meshes that started apart.
+        Nothing in it binds an address to a key or a member: with CURVE the table exchange goes
+        over a connection of its own, with ``key`` only if that key is trusted (else not at
+        all), and a member's record comes only from the exchange. At most
+        ``BEACON_CONTACTS_PER_S`` contacts are acted on per second."""
         known = self._table.members.get(node_id)
-        if known is None or not known.status.live or known.address != address:
-            if key:
-                self._transport.learn_key(address, key.encode())
-            self._send(address, "sync", {"updates": self._everything()})
+        if node_id == self._me.id or (known is not None and known.status.live):
+            return
+        curve = self._transport.curve
+        if curve is not None and not (key and curve.trusted.allows(key.encode())):
+            self._transport.stats.drop("beacon_key_not_trusted")
+        elif not self._beacons.take(time.monotonic()):
+            self._transport.stats.drop("beacon_rate")
+        else:
+            self._send_table(address, "sync", key=key or None, member=False)
 
     def probe_soon(self, node_id: str) -> None:
         """Probe ``node_id`` next (the application saw it fall silent); at most once per
@@ -211,23 +250,40 @@ class Membership:
     def on_message(self, message: Message) -> None:
         meta = message.meta
         peer = self._transport.peer_name(message)
-        self._merge(meta.get("updates"), peer)
+        self._merge(message, peer)
         if message.kind == "ping":
-            self._reply(meta, "ack", {"probe": meta.get("probe"), "updates": self._piggyback()}, peer)
+            payload = {"probe": meta.get("probe"), "updates": self._piggyback()}
+            self._reply(message, "ack", payload, peer)
         elif message.kind == "ack":
             self._on_ack(meta.get("probe"))
         elif message.kind == "ping_req":
-            self._on_ping_request(meta, peer)
+            self._on_ping_request(message, peer)
         elif message.kind == "sync":
-            self._reply(meta, "sync_reply", {"updates": self._everything()}, peer)
+            address = self._reply_address(message, peer)
+            if address is not None:
+                self._send_table(address, "sync_reply", key=message.key or None, member=False)
+
+    def screen(self, message: Message) -> bool:
+        """The transport's check of a message for the inbox: it must come from a member (not
+        known yet: dropped, it is nobody's neighbour here), with the key of the member's
+        record (so a trusted key cannot speak as another member)."""
+        member = self._table.members.get(message.sender)
+        if member is None:
+            self._transport.stats.drop("unknown_sender")
+            return False
+        if member.key != message.key:
+            self._transport.reject(self._transport.peer_name(message), "key_mismatch", member.id)
+            return False
+        return True
 
     def on_tick(self, now: float) -> float:
         if not self._started:
             self._start(now)
-        self._send_due(now)
-        joining = not self._table.live() and bool(self._bootstrap)
-        if joining and now >= self._next["join"]:
-            self._join(now)
+        self._outbox.send_due(now)
+        live = {m.address for m in self._table.live()}
+        for address in self._contacts.due(now, live, self._me.address):
+            self._transport.disconnect(address)  # a refused CURVE handshake is not retried by ZeroMQ
+            self._send_table(address, "sync", key=None, member=False)
         if self._me.status == Status.LEFT:
             return now + 1.0
         self._check_probe(now)
@@ -245,11 +301,8 @@ class Membership:
             self._reconnect()
             self._next["reconnect"] = now + self.profile.reconnect_interval_s
         self._expire(now)
-        timers = [self._next["probe"], self._next["gossip"], self._next["push_pull"], self._next["reconnect"]]
-        timers.append(now + 1.0)
-        if joining:
-            timers.append(self._next["join"])
-        wake = [*timers, *self._suspicions.values(), *(t for t, *_ in self._later)]
+        wake = [*self._next.values(), now + 1.0, *self._suspicions.values()]
+        wake += [t for t in (self._contacts.next_try(), self._outbox.next_due()) if t is not None]
         if self._probe is not None:
             wake.append(
                 self._probe.final_deadline if self._probe.indirect_sent else self._probe.direct_deadline
@@ -261,40 +314,23 @@ class Membership:
     def _start(self, now: float) -> None:
         self._started = True
         self._me = replace(self._me, address=self._transport.address)
-        if not self._bootstrap and self._solo:
+        if not self._contacts.names and self._solo:
             self.joined.set()  # a mesh of one, until someone joins it
         self._publish()
-
-    def _join(self, now: float) -> None:
-        """Send our table to every bootstrap address; the first answer makes us a member.
-        An address that did not answer is dialed afresh: a refused CURVE handshake is not
-        retried by ZeroMQ, and our key may have been trusted since."""
-        addresses: set[str] = set()
-        for name in self._bootstrap:
-            try:
-                addresses.update(resolve_all(name))
-            except AddressError as exc:
-                self.join_error = str(exc)  # DNS may not list the others yet: retry
-        for address in addresses - {self._transport.address}:
-            if self._dialed.pop(address, now) < now:
-                self._transport.disconnect(address)
-            self._send(address, "sync", {"updates": self._everything()})
-        self._next["join"] = now + self.profile.join_retry_s
 
     def _push_pull(self) -> None:
         live = self._table.live()
         if live:
-            self._send(self._rng.choice(live).address, "sync", {"updates": self._everything()})
+            self._send_table_to(self._rng.choice(live), "sync")
 
     def _reconnect(self) -> None:
         """Swap tables with a member held dead, over a fresh connection (the old one may be
         stuck behind what was queued while the network was split)."""
         dead = [m for m in self._table.members.values() if m.status == Status.DEAD]
         if dead:
-            address = self._rng.choice(dead).address
-            self._transport.disconnect(address)
-            self._dialed.pop(address, None)
-            self._send(address, "sync", {"updates": self._everything()})
+            member = self._rng.choice(dead)
+            self._transport.disconnect(member.address)
+            self._send_table(member.address, "sync", key=member.key or None, member=False)
 
     # -- probing ------------------------------------------------------------------------------
 
@@ -309,7 +345,7 @@ class Membership:
             direct_deadline=now + self.profile.probe_timeout_s,
             final_deadline=now + self.profile.probe_interval_s / 2,
         )
-        self._send(target.address, "ping", {"probe": probe_id, "updates": self._piggyback()})
+        self._send_to(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
 
     def _next_target(self, now: float) -> Member | None:
         """Round-robin over the live members in a random order, reshuffled every pass."""
@@ -352,7 +388,7 @@ class Membership:
             probe.indirect_sent = True
             helpers = [m for m in self._table.live() if m.id != probe.target]
             for helper in self._rng.sample(helpers, min(self.profile.indirect_probes, len(helpers))):
-                self._send(helper.address, "ping_req", {"probe": probe.probe_id, "target": target.address})
+                self._send_to(helper, "ping_req", {"probe": probe.probe_id, "target": target.address})
         elif now >= probe.final_deadline:
             self._probe = None
             if target.status == Status.ALIVE:
@@ -362,22 +398,28 @@ class Membership:
         if self._probe is not None and probe_id == self._probe.probe_id:
             self._probe = None  # answered
         elif isinstance(probe_id, int) and probe_id in self._forwards:
-            requester, their_probe, _ = self._forwards.pop(probe_id)
-            self._send(requester, "ack", {"probe": their_probe})
+            requester, key, their_probe, _ = self._forwards.pop(probe_id)
+            self._send(requester, "ack", {"probe": their_probe}, key=key, member=False)
 
-    def _on_ping_request(self, meta: Any, peer: str) -> None:
-        their_probe = meta.get("probe")
-        try:
-            target = parse_endpoint(str(meta.get("target")))
-            requester = parse_endpoint(str(meta.get("reply_to")))
-        except AddressError:
-            their_probe = None
-        if type(their_probe) is not int:
-            self._transport.reject(peer, "bad_membership", "ping_req without a probe, target or reply_to")
-            return
+    def _on_ping_request(self, message: Message, peer: str) -> None:
+        """Ping a member for another one; only a live member, and only so many at once."""
+        their_probe = message.meta.get("probe")
+        target = next((m for m in self._table.live() if m.address == message.meta.get("target")), None)
+        requester = self._reply_address(message, peer)
+        if type(their_probe) is not int or requester is None:
+            self._transport.reject(peer, "bad_membership", "ping_req without a probe")
+        elif target is None:  # not (or no longer) a live member here: pinging it is not our job
+            self._transport.stats.drop("ping_req_not_a_member")
+        elif len(self._forwards) >= MAX_FORWARDS:
+            self._transport.stats.drop("ping_req_backlog")
+        else:
+            self._forward_probe(their_probe, requester, message.key or None, target)
+
+    def _forward_probe(self, their_probe: int, requester: str, key: str | None, target: Member) -> None:
         probe_id = next(self._probe_ids)
-        self._forwards[probe_id] = (requester, their_probe, time.monotonic() + self.profile.probe_interval_s)
-        self._send(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
+        expiry = time.monotonic() + self.profile.probe_interval_s
+        self._forwards[probe_id] = (requester, key, their_probe, expiry)
+        self._send_to(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
 
     def _declare_dead(self, now: float) -> None:
         for node_id, deadline in list(self._suspicions.items()):
@@ -390,8 +432,11 @@ class Membership:
 
     # -- news ---------------------------------------------------------------------------------
 
-    def _merge(self, updates: Any, peer: str) -> None:
+    def _merge(self, message: Message, peer: str) -> None:
+        """Apply a message's updates, first-hand or second-hand (see the module docstring)."""
+        updates = message.meta.get("updates")
         if not isinstance(updates, list):
+            self._transport.reject(peer, "bad_membership", "no list of updates")
             return
         now = time.monotonic()
         for raw in updates:
@@ -400,23 +445,36 @@ class Membership:
             except ValueError as exc:
                 self._transport.reject(peer, "bad_membership", str(exc))
                 continue
-            if news.id == self._me.id:
+            first_hand = news.id == message.sender
+            curve = self._transport.curve
+            if first_hand and curve is not None and news.key != message.key:
+                self._transport.reject(peer, "key_mismatch", f"{news.id}'s record names another key")
+            elif (curve is None and news.key) or (
+                curve is not None and not (news.key and curve.trusted.allows(news.key.encode()))
+            ):
+                self._transport.stats.drop("member_key_not_usable")  # a member we could not talk to
+            elif news.id == self._me.id:
                 answer = refuted(self._me, news)
                 if answer is not None:
                     self._announce(answer)
+            elif news.id not in self._table.members and not self._new_members.allow(peer):
+                self._transport.stats.drop("member_rate")
             else:
-                self._note(news, now)
+                try:
+                    self._note(news, now, first_hand=first_hand)
+                except ConflictError as exc:
+                    self._transport.reject(peer, "member_conflict", str(exc))
+        if self._table.live():  # joined: said once the whole message is in the view (a joiner
+            self.joined.set()  # decides from it whom to take the state of)
 
-    def _note(self, news: Member, now: float) -> None:
+    def _note(self, news: Member, now: float, *, first_hand: bool = True) -> None:
         """Apply news to the table; on a change, record it, act on it and pass it on."""
-        change = self._table.apply(news, now)
+        change = self._table.apply(news, now, first_hand=first_hand)
         if change is None:
             return
         if change.event is not None:
             self._record(change)
         member = change.member
-        if member.key:
-            self._transport.learn_key(member.address, member.key.encode())
         if change.event == "suspected":
             timeout = self.profile.suspicion_timeout_s(len(self._table.live()) + 1)
             self._suspicions.setdefault(member.id, now + timeout)
@@ -424,18 +482,25 @@ class Membership:
             self._suspicions.pop(member.id, None)
         if change.event == "joined":
             self._eligible_at[member.id] = now + CONNECT_GRACE_S
-            self.joined.set()
-            # swap tables with it: whoever learns of a member makes sure it learns of them
-            self._send(member.address, "sync", {"updates": self._everything()})
+            # whoever learns of a member makes sure it learns of them: a member that came itself
+            # gets our table; one we heard of, our own record (whole tables for every member
+            # named second-hand would cost a table per name)
+            if first_hand:
+                self._send_table_to(member, "sync")
+            else:
+                self._send_to(member, "gossip", {"updates": []})
         if change.event in ("suspected", "dead"):  # so it can refute, or rejoin, as soon as it can
-            self._send(member.address, "gossip", {"updates": [member.to_wire()]})
+            self._send_to(member, "gossip", {"updates": [member.to_wire()]})
         self._queue(member)
         self._publish()
 
     def _record(self, change: Change) -> None:
-        event = {"t": round(self._clock(), 3), "observer": self._me.id, "node": change.member.id}
-        self.events.append({**event, "event": str(change.event)})
-        log.info("%s: %s is %s", self._me.id, change.member.id, change.event)
+        node, event = change.member.id, str(change.event)
+        if len(self.events) < MAX_EVENTS:
+            self.events.append(
+                {"t": round(self._clock(), 3), "observer": self._me.id, "node": node, "event": event}
+            )
+        self._log.log(logging.INFO, f"{event} {node}", "%s: %s is %s", self._me.id, node, event)
 
     def _say_me(self, **changes: Any) -> None:
         self._announce(replace(self._me, incarnation=self._me.incarnation + 1, **changes))
@@ -445,7 +510,7 @@ class Membership:
         self._me = me
         self._publish()
         for member in self._table.live():
-            self._send(member.address, "gossip", {"updates": [me.to_wire()]})
+            self._send_to(member, "gossip", {"updates": [me.to_wire()]})
         self._queue(me)
 
     def _queue(self, member: Member) -> None:
@@ -466,10 +531,7 @@ class Membership:
         if not self._broadcasts or not live:
             return
         for member in self._rng.sample(live, min(self.profile.gossip_fanout, len(live))):
-            self._send(member.address, "gossip", {"updates": self._piggyback()})
-
-    def _everything(self) -> list[Any]:
-        return [m.to_wire() for m in self._table.members.values()]
+            self._send_to(member, "gossip", {"updates": self._piggyback()})
 
     def _publish(self) -> None:
         """Refresh the view other threads read, and wake anyone waiting on a round."""
@@ -477,46 +539,54 @@ class Membership:
         self._transport.notify()
 
     def _expire(self, now: float) -> None:
-        for probe_id, (_, _, expiry) in list(self._forwards.items()):
+        for probe_id, (*_, expiry) in list(self._forwards.items()):
             if now > expiry:
                 del self._forwards[probe_id]
+        for node_id in [n for n, until in self._hurried.items() if until <= now]:
+            del self._hurried[node_id]
         for member in self._table.forget_ended(now, self.profile.tombstone_s):
             self._eligible_at.pop(member.id, None)
             if member.address not in {m.address for m in self._table.live()}:
-                self._dialed.pop(member.address, None)
                 self._transport.disconnect(member.address)
             self._publish()
 
-    def _dial(self, address: str, now: float) -> float:
-        """Connect to ``address`` if not done yet; returns when the connection can be used."""
-        if address not in self._dialed:
-            self._transport.connect(address)
-            self._dialed[address] = now + CONNECT_GRACE_S
-        return self._dialed[address]
+    # -- sending ------------------------------------------------------------------------------
 
-    def _send(self, address: str, kind: str, meta: dict[str, Any]) -> None:
-        """Send now, or, to an address not dialed before, once its connection is up. Every
-        message carries our own record, so any contact makes us known to the receiver."""
-        now = time.monotonic()
-        ready_at = self._dial(address, now)
+    def _send_to(self, member: Member, kind: str, meta: dict[str, Any]) -> None:
+        self._send(member.address, kind, meta, key=member.key or None, member=True)
+
+    def _send(self, address: str, kind: str, meta: dict[str, Any], *, key: str | None, member: bool) -> None:
+        """Send (once the connection is up). Every message carries our own record, so any
+        contact makes us known to the receiver."""
         updates = [self._me.to_wire(), *meta.get("updates", [])]
         meta = {**meta, "updates": updates, "reply_to": self._transport.address}
-        if now < ready_at:
-            self._later.append((ready_at, address, kind, meta))
-            self._transport.tick_within(ready_at - now)
-        else:
-            self._transport.send(address, kind, 0, meta=meta)
+        self._outbox.send(time.monotonic(), address, kind, meta, key=key, member=member)
 
-    def _send_due(self, now: float) -> None:
-        due = [item for item in self._later if item[0] <= now]
-        self._later = [item for item in self._later if item[0] > now]
-        for _, address, kind, meta in due:
-            self._transport.send(address, kind, 0, meta=meta)
+    def _send_table_to(self, member: Member, kind: str) -> None:
+        self._send_table(member.address, kind, key=member.key or None, member=True)
 
-    def _reply(self, meta: Any, kind: str, payload: dict[str, Any], peer: str) -> None:
+    def _send_table(self, address: str, kind: str, *, key: str | None, member: bool) -> None:
+        """Our whole table: ``kind`` (sync or sync_reply) with the first chunk, gossip with
+        the others when it does not fit one message."""
+        chunks = table_chunks([m.to_wire() for m in self._table.members.values()])
+        for i, chunk in enumerate(chunks):
+            self._send(address, kind if i == 0 else "gossip", {"updates": chunk}, key=key, member=member)
+
+    def _reply_address(self, message: Message, peer: str) -> str | None:
         try:
-            address = parse_endpoint(str(meta.get("reply_to")))
+            return parse_endpoint(str(message.meta.get("reply_to")))
         except AddressError as exc:
             self._transport.reject(peer, "bad_membership", str(exc))
-            return
-        self._send(address, kind, payload)
+            return None
+
+    def _reply(self, message: Message, kind: str, payload: dict[str, Any], peer: str) -> None:
+        address = self._reply_address(message, peer)
+        if address is not None:
+            self._send(address, kind, payload, key=message.key or None, member=False)
+
+
+def _check_round(value: int, name: str, lowest: int) -> None:
+    """A round this node announces must be one every member can read (a bad one, adopted into
+    this node's own record, would spoil every message it sends)."""
+    if not lowest <= value < NOT_YET:
+        raise ValueError(f"{name} must be in {lowest}..{NOT_YET - 1}, got {value}")

@@ -108,6 +108,7 @@ class Peer:
         raise TransportError after ``timeout``."""
         deadline = time.monotonic() + timeout
         while not (self.membership.joined.is_set() and len(self.members(round)) >= expect):
+            self.transport.check_running()
             if cancelled():
                 return
             if time.monotonic() >= deadline:
@@ -131,13 +132,18 @@ class Peer:
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        address = self.membership.address_of(to)
-        if address is None:
-            self.stats.dropped["unknown_peer"] += 1
+        self.transport.check_running()
+        contact = self.membership.contact(to)
+        if contact is None:
+            self.stats.drop("unknown_peer")
             return
-        self.transport.send(address, kind, round, tensors, meta)
+        address, key = contact
+        self.transport.send(address, kind, round, tensors, meta, key=key or None, member=True)
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
+        """The oldest message of ``kinds``; raises TransportError once the network thread has
+        died, so training never goes on alone unawares."""
+        self.transport.check_running()
         return self.transport.recv(timeout, kinds)
 
     def missed(self, node_id: str) -> None:

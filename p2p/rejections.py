@@ -3,14 +3,19 @@ sending garbage shunned for a while.
 
 A peer is whoever the transport can name for a message: its CURVE public key on a secure node
 (a peer cannot forge another's), its claimed routing id on an ``--insecure`` one (it can).
+At most ``max_peers`` peers are counted by name (the rest under ``OTHER_PEERS``) and tracked for
+shunning (the least recently rejected forgotten first), so a sender changing names cannot grow
+the tables; log lines are limited per peer and overall.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
+
+from p2p.ratelimit import QuietLog, lru_entry
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +23,8 @@ LOG_INTERVAL_S = 10.0
 SHUN_AFTER = 100  # rejections within SHUN_WINDOW_S...
 SHUN_WINDOW_S = 10.0
 SHUN_FOR_S = 60.0  # ...shun the peer this long
+MAX_PEERS = 1024
+OTHER_PEERS = "(other peers)"
 
 
 class Rejections:
@@ -30,20 +37,21 @@ class Rejections:
         shun_after: int = SHUN_AFTER,
         shun_window_s: float = SHUN_WINDOW_S,
         shun_for_s: float = SHUN_FOR_S,
+        max_peers: int = MAX_PEERS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.by_reason: Counter[str] = Counter()
         self.by_peer: dict[str, Counter[str]] = {}
-        self.shunned_peers: set[str] = set()  # every peer ever shunned (for the report)
-        self._log_interval_s = log_interval_s
+        self.shunned_peers: set[str] = set()  # peers shunned (for the report; at most max_peers)
         self._shun_after = shun_after
         self._shun_window_s = shun_window_s
         self._shun_for_s = shun_for_s
+        self._max_peers = max_peers
         self._clock = clock
-        self._recent: dict[str, deque[float]] = {}
+        self._log = QuietLog(log, interval_s=log_interval_s, clock=clock)
+        self._recent: OrderedDict[str, deque[float]] = OrderedDict()
         self._shunned_until: dict[str, float] = {}
-        self._logged_at: dict[str, float] = {}
-        self._unlogged: dict[str, Counter[str]] = {}
+        self._unlogged: OrderedDict[str, Counter[str]] = OrderedDict()
 
     @property
     def total(self) -> int:
@@ -56,7 +64,7 @@ class Rejections:
             return False
         if self._clock() >= until:
             del self._shunned_until[peer]
-            log.warning("no longer shunning %s", peer)
+            self._log.warning(f"unshun {peer}", "no longer shunning %s", peer)
             return False
         return True
 
@@ -64,32 +72,37 @@ class Rejections:
         """Count one rejected message, log (at most once per peer per interval), maybe shun."""
         now = self._clock()
         self.by_reason[reason] += 1
-        self.by_peer.setdefault(peer, Counter())[reason] += 1
-        self._unlogged.setdefault(peer, Counter())[reason] += 1
-        if now - self._logged_at.get(peer, -float("inf")) >= self._log_interval_s:
-            self._logged_at[peer] = now
-            counts = self._unlogged.pop(peer)
-            log.warning(
-                "rejected %d message(s) from %s (%s); latest: %s %s",
-                sum(counts.values()),
-                peer,
-                ", ".join(f"{r}: {n}" for r, n in counts.most_common()),
-                reason,
-                detail,
-            )
+        counted = peer if peer in self.by_peer or len(self.by_peer) < self._max_peers else OTHER_PEERS
+        self.by_peer.setdefault(counted, Counter())[reason] += 1
+        counts = lru_entry(self._unlogged, peer, Counter, self._max_peers)
+        counts[reason] += 1
+        if self._log.warning(
+            f"reject {peer}",
+            "rejected %d message(s) from %s (%s); latest: %s %s",
+            sum(counts.values()),
+            peer,
+            ", ".join(f"{r}: {n}" for r, n in counts.most_common()),
+            reason,
+            detail,
+        ):
+            del self._unlogged[peer]
         if reason != "shunned":
             self._maybe_shun(peer, now)
 
     def _maybe_shun(self, peer: str, now: float) -> None:
-        recent = self._recent.setdefault(peer, deque())
+        recent = lru_entry(self._recent, peer, deque, self._max_peers)
         recent.append(now)
         while recent and recent[0] < now - self._shun_window_s:
             recent.popleft()
         if len(recent) >= self._shun_after and peer not in self._shunned_until:
+            for expired in [p for p, until in self._shunned_until.items() if until <= now]:
+                del self._shunned_until[expired]
             self._shunned_until[peer] = now + self._shun_for_s
-            self.shunned_peers.add(peer)
+            if len(self.shunned_peers) < self._max_peers:
+                self.shunned_peers.add(peer)
             recent.clear()
-            log.warning(
+            self._log.warning(
+                f"shun {peer}",
                 "shunning %s for %g s: %d rejected messages within %g s",
                 peer,
                 self._shun_for_s,

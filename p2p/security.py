@@ -8,14 +8,20 @@ known yet, a bootstrap address, is tried with every trusted key). Keys are pyzmq
 ``NAME.key`` (public) and ``NAME.key_secret`` (secret, mode 0600).
 
 The trusted folder is re-read whenever its listing changes (a key file added, removed or
-replaced), at the next handshake: no restart is needed. Revoking a key refuses new connections
-from it; a connection already open stays until it drops.
+replaced), at the next handshake: no restart is needed. A handshake costs one ``stat`` of the
+folder (a file added or removed changes its time); the files themselves are listed and
+compared (a key replaced in place) at most once per ``RESCAN_S``, so a flood of handshakes
+costs little. A refused handshake is final for the connection that tried it (ZeroMQ does not
+retry it), so a key must be trusted from the moment it is added.
+Revoking a key refuses new connections from it; a connection already open stays until it drops.
+Refused handshakes are counted and logged at most once per key every 10 s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +29,12 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from p2p.ratelimit import QuietLog
+
 log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "gossipmesh"
+RESCAN_S = 1.0
 
 
 class SecurityError(ValueError):
@@ -84,6 +93,8 @@ class TrustedKeys:
         self._lock = threading.Lock()
         self._signature: tuple[tuple[str, int, int], ...] | None = None
         self._keys: frozenset[bytes] = frozenset()
+        self._looked_at = float("-inf")
+        self._folder_time: int | None = None
         self.current()
         if not self._keys:
             raise SecurityError(f"--trusted {folder} holds no .key files; copy the nodes' public keys there")
@@ -91,6 +102,10 @@ class TrustedKeys:
     def current(self) -> frozenset[bytes]:
         """The trusted public keys (z85), re-read if any key file was added, removed or changed."""
         with self._lock:
+            now, folder_time = time.monotonic(), self._folder_time_ns()
+            if folder_time == self._folder_time and now - self._looked_at < RESCAN_S:
+                return self._keys
+            self._looked_at, self._folder_time = now, folder_time
             signature = self._scan()
             if signature != self._signature:
                 self._keys = frozenset(self._read())
@@ -98,6 +113,12 @@ class TrustedKeys:
                     log.warning("trusted keys reloaded from %s: %d keys", self.folder, len(self._keys))
                 self._signature = signature
             return self._keys
+
+    def _folder_time_ns(self) -> int | None:
+        try:
+            return self.folder.stat().st_mtime_ns
+        except OSError:  # gone: the listing below finds nothing
+            return None
 
     def allows(self, key: bytes) -> bool:
         return key in self.current()
@@ -142,12 +163,16 @@ class _TrustedProvider:
     def __init__(self, trusted: TrustedKeys) -> None:
         self.trusted = trusted
         self.refused = 0
+        self._log = QuietLog(log)
 
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = self.trusted.allows(key)
         if not allowed:
             self.refused += 1
-            log.warning("refused a connection with untrusted key %s", key.decode(errors="replace"))
+            shown = key.decode(errors="replace")
+            self._log.warning(
+                shown, "refused a connection with untrusted key %s (%d refused)", shown, self.refused
+            )
         return allowed
 
 

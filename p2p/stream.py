@@ -6,23 +6,32 @@ next chunk is copied into place as it arrives, and the last one yields the whole
 copy from the socket's frame into the tensor is the only one on the receiving side, and it
 overlaps with the next chunk's transfer. A chunk out of sequence (one was dropped on the way,
 or the sender restarted) discards its stream; a new stream from the same sender replaces an
-unfinished one. Memory: one message being assembled per sender.
+unfinished one. Memory: one message being assembled per sender (a sender is the peer the
+transport names: its CURVE key, not the id it claims), at most ``max_streams`` at once (more
+are refused), and none for longer than ``idle_s`` without a chunk (a sender killed mid-stream
+leaves nothing behind).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
 from p2p.wire import Chunk, Message, WireError
 
+MAX_STREAMS = 32
+IDLE_S = 10.0
+
 
 class _Stream:
-    def __init__(self, first: Chunk) -> None:
+    def __init__(self, first: Chunk, now: float) -> None:
         self.first = first
+        self.heard = now
         self.tensors = [np.empty(shape, dtype) for dtype, shape, _ in first.specs]
         self._views = [t.reshape(-1).view(np.uint8) for t in self.tensors]
         self._ends = list(itertools.accumulate(v.size for v in self._views))
@@ -61,19 +70,35 @@ class _Stream:
 class Assembler:
     """Streams being received, one per sender."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        max_streams: int = MAX_STREAMS,
+        idle_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._streams: dict[str, _Stream] = {}
+        self._max_streams = max_streams
+        self._idle_s = IDLE_S if idle_s is None else idle_s
+        self._clock = clock
 
-    def add(self, chunk: Chunk) -> Message | None:
-        """Take one chunk; the whole message once its last chunk is in. Raises WireError
-        (reason ``chunk_sequence``) for a chunk that does not continue its sender's stream."""
-        sender = chunk.message.sender
+    def add(self, chunk: Chunk, sender: str | None = None) -> Message | None:
+        """Take one chunk of ``sender`` (default: the id the chunk claims); the whole message
+        once its last chunk is in. Raises WireError: ``chunk_sequence`` for a chunk that does
+        not continue its sender's stream, ``too_many_streams`` for a new stream beyond the cap."""
+        sender = chunk.message.sender if sender is None else sender
+        now = self._clock()
         if chunk.index == 0:
-            self._streams[sender] = _Stream(chunk)
+            self._streams.pop(sender, None)
+            self.expire(now)
+            if len(self._streams) >= self._max_streams:
+                raise WireError("too_many_streams", f"{len(self._streams)} streams are being received")
+            self._streams[sender] = _Stream(chunk, now)
         stream = self._streams.get(sender)
         if stream is None or not stream.continues(chunk):
             self._streams.pop(sender, None)
             raise WireError("chunk_sequence", f"chunk {chunk.index} of {chunk.count} out of sequence")
+        stream.heard = now
         stream.write(chunk)
         if not stream.complete:
             return None
@@ -85,6 +110,11 @@ class Assembler:
         for tensor in stream.tensors:
             tensor.flags.writeable = False
         return replace(chunk.message, tensors=tuple(stream.tensors))
+
+    def expire(self, now: float) -> None:
+        """Forget the streams that have had no chunk for ``idle_s``."""
+        for sender in [s for s, stream in self._streams.items() if now - stream.heard > self._idle_s]:
+            del self._streams[sender]
 
     @property
     def in_progress(self) -> int:

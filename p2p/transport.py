@@ -1,6 +1,7 @@
 """The transport: one network thread that owns every ZeroMQ socket of a node.
 
-A ROUTER socket receives from all peers; one DEALER per peer address sends. Other threads never
+A ROUTER socket receives from all peers; one DEALER per peer address and key sends
+(``p2p.connections``: bounded in number, closed when idle). Other threads never
 touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload copy) and hands
 the frames to the network thread, which sends them without blocking (a full or unreachable peer
 drops the message and counts it). Received messages are decoded and validated on the network
@@ -19,6 +20,12 @@ receiver copies each chunk into place as it comes (``p2p.stream``). No ZeroMQ me
 
 Protocol services (membership, later failure detection) run on the network thread too: they
 consume the message kinds they declare and get a periodic tick.
+
+Whatever one message, command or tick raises ends that message, command or tick (counted: a
+rejection ``handler_error``, or a drop ``command_failed`` / ``tick_failed``), never the thread.
+The thread is supervised all the same: if it ever stops, :attr:`Transport.failure` says why,
+``on_failure`` is called, and every later send or receive raises, so a node never trains alone
+believing it gossips.
 """
 
 from __future__ import annotations
@@ -26,22 +33,27 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import logging
+import math
 import os
 import secrets
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import zmq
 
 from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
+from p2p.connections import CONNECT_GRACE_S, HEARTBEAT_MS, Connection, Connections, Target, usable_at
+from p2p.identities import Identities
 from p2p.inbox import Inbox
+from p2p.ratelimit import QuietLog
 from p2p.rejections import Rejections
-from p2p.security import Authenticator, Curve, configure_client, configure_server
+from p2p.security import Authenticator, Curve, configure_server
 from p2p.stream import Assembler
 from p2p.wire import (
     CHUNK_BYTES,
@@ -53,11 +65,14 @@ from p2p.wire import (
     decode,
     encode,
     encode_chunks,
+    shown,
 )
+
+log = logging.getLogger(__name__)
 
 _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
-_HEARTBEAT_MS = 1000
+_HOUSEKEEPING_S = 1.0
 MAX_STREAMS_PER_PEER = 4  # streams waiting for one peer's socket; more drop the oldest
 
 
@@ -79,35 +94,48 @@ class Service(Protocol):
 
 @dataclass
 class TransportStats:
-    """Counters kept by the network thread; read them from any thread."""
+    """Counters kept by the network thread; read them from any thread (the properties are
+    copies, so a reader never iterates a counter the network thread is changing)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
-    dropped: Counter[str] = field(default_factory=Counter)
     rejections: Rejections = field(default_factory=Rejections)
+    _dropped: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def drop(self, reason: str) -> None:
+        """Count a well-formed message not sent or not delivered (any thread)."""
+        with self._lock:
+            self._dropped[reason] += 1
+
+    @property
+    def dropped(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self._dropped)
 
     @property
     def rejected(self) -> Counter[str]:
         """Rejected messages by reason."""
-        return self.rejections.by_reason
+        return Counter(dict(self.rejections.by_reason))
 
     @property
     def rejected_by_peer(self) -> dict[str, Counter[str]]:
-        return self.rejections.by_peer
+        return {peer: Counter(dict(reasons)) for peer, reasons in dict(self.rejections.by_peer).items()}
 
     @property
     def messages_rejected(self) -> int:
-        return self.rejections.total
+        return sum(self.rejected.values())
 
 
 class Transport:
     """Sockets, codec and inbox of one node.
 
     Args:
-        node_id: this node's id; stamped on every message and used as the DEALER routing id,
-            so a receiver can reject a header that claims another sender.
+        node_id: this node's id; stamped on every message and, with a random token after it
+            (``NODE_ID/TOKEN``, see ``p2p.connections``), used as the DEALER routing id, so a
+            receiver can reject a header that claims another sender.
         listen: ``tcp://HOST:PORT`` to bind the ROUTER to (port 0 picks a free port).
         advertise: the address peers dial; default: the bound address, a wildcard host
             replaced by this host's address.
@@ -117,6 +145,7 @@ class Transport:
             oversized frame is refused by ZeroMQ before it is buffered.
         send_queue: messages queued per peer before sends to it are dropped (ZMQ_SNDHWM).
         inbox_size: received messages held for the application before the oldest is dropped.
+        inbox_per_sender: of those, how many one sender may have waiting of one kind.
         linger_s: how long :meth:`close` lets queued messages drain.
         curve: this node's keys and the trusted keys; None runs without CURVE (insecure).
         chunk_bytes: payloads larger than this go as a stream of chunks of this size.
@@ -132,6 +161,7 @@ class Transport:
         limits: Limits = Limits(),
         send_queue: int = 64,
         inbox_size: int = 4096,
+        inbox_per_sender: int = 256,
         linger_s: float = 1.0,
         curve: Curve | None = None,
         chunk_bytes: int = CHUNK_BYTES,
@@ -144,14 +174,21 @@ class Transport:
         self.address = ""  # advertised endpoint, known after start()
         self._advertise = parse_endpoint(advertise) if advertise else None
         self._inbox_kinds = None if inbox_kinds is None else frozenset(inbox_kinds)
-        self._send_queue = send_queue
         self._linger_ms = int(linger_s * 1000)
         self._chunk_bytes = chunk_bytes
         # called (network thread) with an address no message could be queued to: the failure
         # detector hears of a closed connection at once rather than at its next probe
         self.on_unreachable: Callable[[str], None] | None = None
+        # a service's check of a message bound for the inbox (membership: it comes from a member,
+        # with the key of its record); it counts what it refuses itself
+        self.screen: Callable[[Message], bool] | None = None
+        # called (network thread, as it ends) if the network thread stops other than by close()
+        self.on_failure: Callable[[str], None] | None = None
+        self.failure: str | None = None
+        self.stopped = threading.Event()  # set when the network thread has ended, for any reason
         self._assembler = Assembler()
-        self._streams: dict[str, deque[deque[list[Any]]]] = {}  # address -> streams left to send
+        self._identities = Identities()
+        self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
         self._poller = zmq.Poller()
         self._session = secrets.randbits(63)
         self._seq = itertools.count(1)
@@ -159,22 +196,28 @@ class Transport:
         self._services: dict[str, Service] = {}
         self._service_list: list[Service] = []
         self._readers: dict[int, Callable[[], None]] = {}
-        self._inbox = Inbox(inbox_size)
+        self._inbox = Inbox(inbox_size, inbox_per_sender)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._context = zmq.Context()
-        self._dealers: dict[str, dict[bytes, zmq.Socket[bytes]]] = {}  # address -> server key -> socket
-        self._server_keys: dict[str, bytes] = {}  # address -> its CURVE public key, once known
+        self.connections = Connections(
+            self._context,
+            node_id=self.node_id,
+            curve=curve,
+            send_queue=send_queue,
+            linger_ms=self._linger_ms,
+            on_close=self._closed,
+        )
         self._authenticator: Authenticator | None = None
-        self._last_seq: dict[str, tuple[int, int]] = {}
-        self._peer_keys: dict[str, str] = {}  # sender id -> the CURVE key its messages came with
+        self._errors = QuietLog(log)
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._startup_error: TransportError | None = None
-        self._stopping = False
+        self._stop_at = math.inf
         self._next_tick = 0.0
+        self._next_housekeeping = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -199,18 +242,26 @@ class Transport:
         self._thread.start()
         if not self._started.wait(timeout):
             raise TransportError(f"network thread did not start within {timeout} s")
-        if self._startup_error is not None:
+        error = self._startup_error or (TransportError(self.failure) if self.failure else None)
+        if error is not None:
             self._close_context()
-            raise self._startup_error
+            raise error
         return self.address
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the network thread; queued messages get ``linger_s`` to leave."""
         if self._thread is not None and self._thread.is_alive():
-            self._stopping = True
+            self._stop_at = time.monotonic() + CONNECT_GRACE_S  # sends waiting for a new connection
             self._wake()
             self._thread.join(timeout)
         self._close_context()
+
+    def check_running(self) -> None:
+        """Raise TransportError if the network thread has died (it never sends again)."""
+        if self.failure is not None:
+            raise TransportError(
+                f"the network thread of {self.node_id} stopped ({self.failure}); restart the node"
+            )
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -221,9 +272,14 @@ class Transport:
         round: int,
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        member: bool = False,
     ) -> None:
         """Queue a message to the node at ``address``; never blocks.
 
+        ``key``: the CURVE key expected there (None: not known, try every trusted key);
+        ``member``: whether ``address`` is a member's (else its connection is short-lived).
         Tensors are sent from their own memory: do not modify them afterwards.
         """
         fields: dict[str, Any] = {
@@ -232,12 +288,12 @@ class Transport:
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
             if sum(t.nbytes for t in tensors) <= self._chunk_bytes:
                 frames = encode(**fields, session=self._session, seq=next(self._seq))
-                self.call_soon(lambda: self._send_now(address, frames))
+                self.call_soon(lambda: self._send_now(address, key, member, frames))
             else:
                 chunks = encode_chunks(
                     **fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes
                 )
-                self.call_soon(lambda: self._send_stream(address, chunks))
+                self.call_soon(lambda: self._send_stream(address, key, member, chunks))
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         """The oldest inbox message (of one of ``kinds``, if given), or None after ``timeout``
@@ -254,8 +310,8 @@ class Transport:
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the network thread, after what was queued before it."""
-        if self._context.closed:
-            self.stats.dropped["closed"] += 1
+        if self._context.closed or self.failure is not None:
+            self.stats.drop("closed" if self.failure is None else "network_down")
             return
         self._commands.append(fn)
         if threading.current_thread() is not self._thread:
@@ -264,6 +320,19 @@ class Transport:
     # -- network thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # supervised: whatever ends the thread is reported, not lost
+            self.failure = f"{type(exc).__name__}: {shown(str(exc))}"
+            log.error("the network thread of %s stopped", self.node_id, exc_info=True)
+            if self.on_failure is not None:
+                with contextlib.suppress(Exception):
+                    self.on_failure(self.failure)
+        finally:
+            self._started.set()
+            self.stopped.set()
+
+    def _serve(self) -> None:
         if self.curve is not None:
             self._authenticator = Authenticator(self._context, self.curve.trusted)
         router = self._context.socket(zmq.ROUTER)
@@ -271,15 +340,16 @@ class Transport:
             configure_server(router, self.curve.keys)
         largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
         router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         router.setsockopt(zmq.LINGER, 0)
+        # an inbound connection that goes silent (a crashed host, a partition) is closed
+        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
         try:
             router.bind(bind_form(self.listen))
             self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
         except zmq.ZMQError as exc:
             router.close()
             self._startup_error = _bind_error(self.listen, exc)
-            self._started.set()
             return
         poller = self._poller
         poller.register(router, zmq.POLLIN)
@@ -288,29 +358,52 @@ class Transport:
             poller.register(fd, zmq.POLLIN)
         self._started.set()
         try:
-            while not self._stopping:
-                due_ms = int((self._next_tick - time.monotonic()) * 1000)
-                wait_ms = 0 if self._commands else max(0, due_ms)
-                events = dict(poller.poll(wait_ms))
-                if router in events:
-                    self._drain(router)
-                if self._wake_r in events:
-                    self._drain_wakeups()
-                for fd, on_readable in self._readers.items():
-                    if fd in events:
-                        on_readable()
-                for address in [a for a in self._streams if events.keys() & self._dealer(a).values()]:
-                    self._feed(address)
-                self._run_commands()
-                now = time.monotonic()
-                if now >= self._next_tick:
-                    self._next_tick = min((s.on_tick(now) for s in self._service_list), default=now + 1.0)
+            while time.monotonic() < self._stop_at:
+                self._turn(router)
             self._run_commands()  # last sends (e.g. a leave) before the sockets close
         finally:
             router.close(linger=0)
-            for dealers in self._dealers.values():
-                for dealer in dealers.values():
-                    dealer.close(linger=self._linger_ms)
+            self.connections.close_all()
+
+    def _turn(self, router: zmq.Socket[bytes]) -> None:
+        """One pass of the loop: wait for input or the next tick, then handle what is due."""
+        due_ms = int((min(self._next_tick, self._next_housekeeping, self._stop_at) - time.monotonic()) * 1000)
+        events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
+        if router in events:
+            self._drain(router)
+        if self._wake_r in events:
+            self._drain_wakeups()
+        for fd, on_readable in self._readers.items():
+            if fd in events:
+                self._guarded("reader", on_readable)
+        for target in [t for t in self._streams if self._socket_of(t) in events]:
+            self._guarded("stream", lambda target=target: self._feed(target))  # type: ignore[misc]
+        self._run_commands()
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = min((self._tick(s, now) for s in self._service_list), default=now + 1.0)
+        if now >= self._next_housekeeping:
+            self.connections.expire(now)
+            self._assembler.expire(now)
+            self._next_housekeeping = now + _HOUSEKEEPING_S
+
+    def _tick(self, service: Service, now: float) -> float:
+        try:
+            return service.on_tick(now)
+        except Exception:
+            self._failed("tick")
+            return now + 1.0
+
+    def _guarded(self, what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            self._failed(what)
+
+    def _failed(self, what: str) -> None:
+        """Count and log (rate-limited) an exception in one unit of the thread's work."""
+        self.stats.drop(f"{what}_failed")
+        self._errors.warning(what, "%s: a %s failed; the thread goes on", self.node_id, what, exc_info=True)
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(_DRAIN_BATCH):
@@ -327,121 +420,101 @@ class Transport:
 
     def peer_name(self, message: Message) -> str:
         """Who sent ``message``, as rejections count it (the sender's key when CURVE is on)."""
-        key = self._peer_keys.get(message.sender)
-        return f"{message.sender} ({key})" if key else message.sender
+        return self._identities.name(message.key, message.sender)
 
     def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
-        claimed = routing_id.decode("ascii", errors="replace")
+        """One received message, in its own error scope: whatever it raises is its rejection."""
+        claimed = routing_id.decode("ascii", errors="replace").partition("/")[0]
         key = _user_id(frames[0]) if self.curve is not None and frames else ""
-        peer = f"{claimed} ({key})" if key else claimed
-        if self.stats.rejections.shunned(peer):
-            self.reject(peer, "shunned")
-            return
+        peer = self._identities.name(key, claimed)
         try:
-            decoded = decode(frames, self.limits)
+            if self.stats.rejections.shunned(peer):
+                self.reject(peer, "shunned")
+            else:
+                self._take(key, claimed, frames)
         except WireError as exc:
             self.reject(peer, exc.reason, exc.detail)
-            return
+        except Exception as exc:  # a bug, or an input no check foresaw: this message's end only
+            self.reject(peer, "handler_error", f"{type(exc).__name__}: {shown(str(exc))}")
+            self._errors.warning("accept", "a message from %s raised", peer, exc_info=True)
+
+    def _take(self, key: str, claimed: str, frames: Sequence[zmq.Frame]) -> None:
+        decoded = decode(frames, self.limits)
         message = decoded.message if isinstance(decoded, Chunk) else decoded
         if message.sender != claimed:
-            self.reject(peer, "sender_mismatch", f"header says {message.sender!r}")
-            return
-        last = self._last_seq.get(message.sender)
-        if last is not None and last[0] == message.session and message.seq <= last[1]:
-            self.reject(peer, "replayed", f"seq {message.seq} <= {last[1]}")
-            return
-        if key:
-            self._peer_keys[message.sender] = key
-        self._last_seq[message.sender] = (message.session, message.seq)
+            raise WireError("sender_mismatch", f"header says {shown(message.sender)}")
+        last = self._identities.replayed(key, claimed, message.session, message.seq)
+        if last is not None:
+            raise WireError("replayed", f"seq {message.seq} <= {last}")
         if isinstance(decoded, Chunk):
-            try:
-                assembled = self._assembler.add(decoded)
-            except WireError as exc:
-                self.reject(peer, exc.reason, exc.detail)
-                return
+            assembled = self._assembler.add(decoded, key or claimed)
             if assembled is None:
                 return
             message = assembled
+        message = replace(message, key=key)
         self.stats.messages_received += 1
         service = self._services.get(message.kind)
         if service is not None:
             service.on_message(message)
-        elif self._inbox_kinds is None or message.kind in self._inbox_kinds:
-            if not self._inbox.put(message):
-                self.stats.dropped["inbox_full"] += 1
-        else:
-            self.reject(peer, "unknown_kind", message.kind)
+        elif self._inbox_kinds is not None and message.kind not in self._inbox_kinds:
+            raise WireError("unknown_kind", shown(message.kind))
+        elif self.screen is not None and not self.screen(message):
+            return
+        elif not self._inbox.put(message):
+            self.stats.drop("inbox_full")
 
-    def connect(self, address: str) -> None:
-        """Open the connection to ``address`` ahead of the first send (network thread only)."""
-        self._dealer(address)
+    def ready_at(self, address: str, key: str | None = None, *, member: bool = False) -> float:
+        """Open the connection(s) to ``address`` ahead of the first send, if not open; returns
+        when they can be sent on (network thread only)."""
+        targets = self.connections.targets(address, key)
+        return max((usable_at(self.connections.get(t, verified=member)) for t in targets), default=0.0)
 
     def disconnect(self, address: str) -> None:
-        """Close the connection to ``address``, dropping what is queued (network thread only)."""
-        self._streams.pop(address, None)
-        for dealer in self._dealers.pop(address, {}).values():
-            if dealer in self._poller:
-                self._poller.unregister(dealer)
-            dealer.close(linger=0)
+        """Close the connections to ``address``, dropping what is queued (network thread only)."""
+        self.connections.close_address(address)
 
-    def learn_key(self, address: str, key: bytes) -> None:
-        """The CURVE public key of the node at ``address`` (from its member record; network
-        thread). Connections tried with other keys are closed; an untrusted key is ignored."""
-        if self.curve is None or self._server_keys.get(address) == key or not self.curve.trusted.allows(key):
-            return
-        self._server_keys[address] = key
-        dealers = self._dealers.get(address, {})
-        for other in [k for k in dealers if k != key]:
-            dealer = dealers.pop(other)
-            if dealer in self._poller:
-                self._poller.unregister(dealer)
-            dealer.close(linger=0)
-
-    def _dealer(self, address: str) -> dict[bytes, zmq.Socket[bytes]]:
-        """The connection(s) to ``address``: one, or with CURVE and its key not known yet (a
-        bootstrap address), one per trusted key, of which only the right one completes."""
-        dealers = self._dealers.get(address)
-        if not dealers:
-            if self.curve is None:
-                keys: Iterable[bytes] = [b""]
-            elif address in self._server_keys:
-                keys = [self._server_keys[address]]
-            else:
-                keys = sorted(self.curve.trusted.current())
-            dealers = self._dealers[address] = {key: self._open_dealer(address, key) for key in keys}
-        return dealers
-
-    def _send_now(self, address: str, frames: list[Any]) -> None:
+    def _send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
+        targets = self.connections.targets(address, key)
         sent = 0
-        for dealer in self._dealer(address).values():
+        for target in targets:
+            connection = self.connections.get(target, verified=member)
             try:
-                dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                connection.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 sent += 1
             except zmq.Again:
                 continue
-        if not sent:
-            self.stats.dropped["peer_unreachable_or_full"] += 1
+        if not targets:
+            self.stats.drop("untrusted_key")
+        elif not sent:
+            self.stats.drop("peer_unreachable_or_full")
             if self.on_unreachable is not None:
                 self.on_unreachable(address)
-            return
-        self.stats.messages_sent += 1
-        self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
+        else:
+            self.stats.messages_sent += 1
+            self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
 
-    def _send_stream(self, address: str, chunks: list[list[Any]]) -> None:
-        if len(self._dealer(address)) != 1:  # CURVE, and the peer's key not known yet
-            self.stats.dropped["peer_key_unknown"] += 1
+    def _send_stream(self, address: str, key: str | None, member: bool, chunks: list[list[Any]]) -> None:
+        targets = self.connections.targets(address, key)
+        if len(targets) != 1:  # CURVE, and the peer's key not known (or not trusted)
+            self.stats.drop("peer_key_unknown")
             return
-        streams = self._streams.setdefault(address, deque())
+        (target,) = targets
+        self.connections.get(target, verified=member)
+        streams = self._streams.setdefault(target, deque())
         if len(streams) >= MAX_STREAMS_PER_PEER:
             streams.popleft()  # its receiver discards the unfinished stream when the next begins
-            self.stats.dropped["stream_backlog"] += 1
+            self.stats.drop("stream_backlog")
         streams.append(deque(chunks))
-        self._feed(address)
+        self._feed(target)
 
-    def _feed(self, address: str) -> None:
+    def _feed(self, target: Target) -> None:
         """Send the peer's waiting chunks while its socket takes them; then wait for room."""
-        streams = self._streams.get(address)
-        (dealer,) = self._dealer(address).values()
+        streams = self._streams.get(target)
+        connection = self.connections.find(target)
+        if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
+            self._streams.pop(target, None)
+            return
+        dealer = connection.socket
         while streams:
             chunks = streams[0]
             try:
@@ -450,31 +523,29 @@ class Transport:
                 if dealer not in self._poller:
                     self._poller.register(dealer, zmq.POLLOUT)
                 return
+            connection.used = time.monotonic()
             self.stats.bytes_sent += sum(_nbytes(f) for f in chunks.popleft())
             if not chunks:
                 streams.popleft()
                 self.stats.messages_sent += 1
-        self._streams.pop(address, None)
+        self._streams.pop(target, None)
         if dealer in self._poller:
             self._poller.unregister(dealer)
 
-    def _open_dealer(self, address: str, server_key: bytes) -> zmq.Socket[bytes]:
-        dealer = self._context.socket(zmq.DEALER)
-        if self.curve is not None:
-            configure_client(dealer, self.curve.keys, server_key)
-        dealer.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
-        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
-        # a connection that goes silent (a partition, a crashed host) is dropped and redialed
-        dealer.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * _HEARTBEAT_MS)
-        dealer.setsockopt(zmq.SNDHWM, self._send_queue)
-        dealer.setsockopt(zmq.LINGER, self._linger_ms)
-        dealer.connect(address)
-        return dealer
+    def _socket_of(self, target: Target) -> zmq.Socket[bytes] | None:
+        connection = self.connections.find(target)
+        return connection.socket if connection is not None else None
+
+    def _closed(self, target: Target, connection: Connection) -> None:
+        """A connection is being closed: forget what it had left to send."""
+        if self._streams.pop(target, None):
+            self.stats.drop("stream_connection_closed")
+        if connection.socket in self._poller:
+            self._poller.unregister(connection.socket)
 
     def _run_commands(self) -> None:
         while self._commands:
-            self._commands.popleft()()
+            self._guarded("command", self._commands.popleft())
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # pipe full: the thread is awake anyway

@@ -19,7 +19,9 @@ the slices of the tensors' memory that make up bytes ``offset...`` of the concat
 
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +37,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_TENSORS = 64
 MAX_NDIM = 8
 MAX_META_ITEMS = 32
+MAX_META_DEPTH = 6  # containers inside containers in a header's meta (membership needs 3)
 MAX_NAME_CHARS = 128
 CHUNK_BYTES = 8 << 20  # payloads above this go as a stream of chunks of this size
 MAX_CHUNK_BYTES = 16 << 20  # the largest payload of one ZeroMQ message a node accepts
@@ -82,6 +85,7 @@ class Message:
     meta: Mapping[str, Any] = field(default_factory=dict)
     session: int = 0
     seq: int = 0
+    key: str = ""  # the CURVE public key (z85) the message came with; "" without CURVE
 
 
 TensorSpec = tuple[np.dtype, tuple[int, ...], int]  # dtype, shape, nbytes
@@ -207,7 +211,7 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message | Chunk:
     descriptors = header["tensors"]
     if len(descriptors) > limits.max_tensors:
         raise WireError("too_large", f"{len(descriptors)} tensors > limit {limits.max_tensors}")
-    specs = [_tensor_spec(d) for d in descriptors]
+    specs = [_tensor_spec(d, limits.max_message_bytes) for d in descriptors]
     total = sum(nbytes for _, _, nbytes in specs)
     if total > limits.max_message_bytes:
         raise WireError("too_large", f"{total} payload bytes > limit {limits.max_message_bytes}")
@@ -240,7 +244,7 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message | Chunk:
 
 def _chunk(envelope: Message, specs: tuple[TensorSpec, ...], place: Any, pieces: list[memoryview]) -> Chunk:
     if not (isinstance(place, list) and len(place) == 3 and all(_is_uint(v, _U64) for v in place)):
-        raise WireError("header_schema", f"chunk must be [index, count, offset], got {place!r}")
+        raise WireError("header_schema", f"chunk must be [index, count, offset], got {shown(place)}")
     index, count, offset = place
     chunk = Chunk(envelope, specs, index, count, offset, tuple(pieces))
     if not index < count <= max(1, chunk.total) or offset + chunk.nbytes > chunk.total:
@@ -277,7 +281,7 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many types for garbage; all mean the same here
-        raise WireError("header_not_msgpack", f"{type(exc).__name__}: {exc}") from None
+        raise WireError("header_not_msgpack", f"{type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise WireError("header_schema", f"header is a {type(header).__name__}, not a map")
     keys = set(header)
@@ -287,35 +291,63 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
             "header_schema", f"missing keys {sorted(missing)}, unknown keys {sorted(keys - _HEADER_KEYS)}"
         )
     if header["v"] != PROTOCOL_VERSION or type(header["v"]) is not int:
-        raise WireError("version", f"protocol version {header['v']!r}, this node speaks {PROTOCOL_VERSION}")
+        raise WireError("version", f"protocol {shown(header['v'])}, this node speaks {PROTOCOL_VERSION}")
     kind, sender = header["kind"], header["sender"]
     if not isinstance(kind, str) or not _KIND.match(kind):
-        raise WireError("header_schema", f"bad kind {kind!r}")
+        raise WireError("header_schema", f"bad kind {shown(kind)}")
     if not isinstance(sender, str) or not 0 < len(sender) <= MAX_NAME_CHARS:
-        raise WireError("header_schema", f"bad sender {sender!r}")
+        raise WireError("header_schema", f"bad sender {shown(sender)}")
     for key in ("session", "seq", "round"):
         if not _is_uint(header[key], _U64):
-            raise WireError("header_schema", f"{key} must be an unsigned 64-bit int, got {header[key]!r}")
+            raise WireError("header_schema", f"{key} must be an unsigned 64-bit int: {shown(header[key])}")
     if not isinstance(header["tensors"], list):
         raise WireError("header_schema", "tensors must be a list")
     meta = header.get("meta", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise WireError("header_schema", "meta must be a map with string keys")
+    if _depth(meta) > MAX_META_DEPTH:
+        raise WireError("header_schema", f"meta nests containers more than {MAX_META_DEPTH} deep")
     return header
 
 
-def _tensor_spec(descriptor: Any) -> TensorSpec:
+def _depth(value: Any) -> int:
+    """How deep containers nest in ``value`` (iteratively: a hostile depth must not recurse)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_META_DEPTH:
+                children = item.values() if isinstance(item, dict) else item
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 40, 40, 4, 4
+
+
+def shown(value: Any) -> str:
+    """A short, bounded ``repr`` of a received value for error messages and logs."""
+    return _SHOWN.repr(value)
+
+
+def _tensor_spec(descriptor: Any, max_bytes: int) -> TensorSpec:
     if not isinstance(descriptor, dict) or set(descriptor) != _TENSOR_KEYS:
         raise WireError("header_schema", f"tensor descriptor must have keys {sorted(_TENSOR_KEYS)}")
     dtype = WIRE_DTYPES.get(descriptor["dtype"]) if isinstance(descriptor["dtype"], str) else None
     if dtype is None:
-        raise WireError("dtype", f"dtype {descriptor['dtype']!r} is not one of {sorted(WIRE_DTYPES)}")
+        raise WireError("dtype", f"dtype {shown(descriptor['dtype'])} is not one of {sorted(WIRE_DTYPES)}")
     shape = descriptor["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d, _U64) for d in shape):
-        raise WireError("shape", f"shape {shape!r} must be a list of at most {MAX_NDIM} sizes")
+        raise WireError("shape", f"shape {shown(shape)} must be a list of at most {MAX_NDIM} sizes")
+    # numpy refuses a shape whose non-zero sizes multiply past the address space, even with no
+    # element: bound them as if every size were at least one
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize > max_bytes:
+        raise WireError("too_large", f"shape {shown(shape)} of {dtype.name} exceeds {max_bytes} bytes")
     nbytes = descriptor["nbytes"]
     if not _is_uint(nbytes, _U64):
-        raise WireError("header_schema", f"nbytes {nbytes!r} must be an unsigned int")
+        raise WireError("header_schema", f"nbytes {shown(nbytes)} must be an unsigned int")
     expected = dtype.itemsize
     for dim in shape:
         expected *= dim

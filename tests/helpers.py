@@ -133,6 +133,25 @@ def started_transport(node_id: str, **options: Any) -> Iterator[Transport]:
         transport.close()
 
 
+@contextmanager
+def in_background(step: Callable[[], object]) -> Iterator[None]:
+    """Call ``step`` every 10 ms on a thread until the block ends (as a node does between its
+    training steps)."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(0.01):
+            step()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

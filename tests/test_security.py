@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 from helpers import addresses, average_in_threads, raw_dealer, started_transport, wait_until
+from hostile import connect
 
 from p2p import Peer, Transport
 from p2p.rejections import Rejections
@@ -124,10 +125,11 @@ def _average_under_attack(tmp_path: Path, *, secure: bool, attack: bool) -> str:
         for peer in peers:
             peer.wait_ready(20, expect=2)
         intruder.start()
-        if secure:
-            intruder.learn_key(peers[0].address, NodeKeys.load(tmp_path / "keys" / "a", "a").public)
+        if not secure:  # (what a transport sends before its connection is up is dropped)
+            connect(intruder, peers[0].address, peers[0].transport)
+        key = NodeKeys.load(tmp_path / "keys" / "a", "a").public.decode() if secure else None
         for r in range(10) if attack else ():
-            intruder.send(peers[0].address, "params", r, [np.full(1000, 1e6, np.float32)])
+            intruder.send(peers[0].address, "params", r, [np.full(1000, 1e6, np.float32)], key=key)
         time.sleep(1.0)  # what the intruder sent has arrived, or been refused
         vectors = [np.arange(1000, dtype=np.float32) * (i + 1) for i in range(2)]
         average_in_threads(peers, vectors, topology="ring", rounds=10)

@@ -167,6 +167,7 @@ class NodeConfig(TrainConfig):
     progress: str = o.PROGRESS.field()
     clock_origin: float | None = o.CLOCK_ORIGIN.field()
     metrics_port: int | None = o.METRICS_PORT.field()
+    metrics_host: str = o.METRICS_HOST.field()
     log_format: str = o.LOG_FORMAT.field()
 
     def __post_init__(self) -> None:

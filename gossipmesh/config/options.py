@@ -235,6 +235,12 @@ PROGRESS = Option(
 )
 CLOCK_ORIGIN = Option(number(float), "wall-clock time (epoch s) the report's t counts from (set by the mesh)")
 METRICS_PORT = Option(_PORT, "serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)")
+METRICS_HOST = Option(
+    str,
+    "address the --metrics-port endpoint listens on (127.0.0.1: this host only)",
+    "0.0.0.0",
+    metavar="HOST",
+)
 LOG_FORMAT = Option(
     choice(LOG_FORMATS), f"log lines on stderr: {' or '.join(LOG_FORMATS)} (one object per event)", "text"
 )

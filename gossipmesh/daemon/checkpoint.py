@@ -5,7 +5,8 @@ optimizer buffers, RNG and sampler states) in safetensors' format, and the count
 its metadata; nothing is pickled. It is written to a temporary file, fsynced, renamed over its
 final name and the folder fsynced, so a kill at any moment leaves either no new file or a
 complete one; :func:`load_newest` still skips a file it cannot read (a disk error, a file
-copied in by hand) and takes the next older one. The newest ``KEEP`` checkpoints are kept.
+copied in by hand) and takes the next older one. The newest ``KEEP`` checkpoints are kept, and
+temporary files that no writer has touched for ``STALE_TMP_S`` (of killed writers) removed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KEEP = 2
+STALE_TMP_S = 600.0  # a writer finishes in seconds: a temporary file this old is a killed one's
 _NAME = re.compile(r"checkpoint-(\d+)\.safetensors\Z")
 _META_KEY = "gossipmesh"
 
@@ -57,9 +60,21 @@ def save_checkpoint(
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_folder(folder)
-    for old in [*_checkpoints(folder)[KEEP:], *folder.glob(".checkpoint-*.tmp")]:
-        old.unlink(missing_ok=True)  # older checkpoints, and temporary files of killed writers
+    for old in [*_checkpoints(folder)[KEEP:], *_stale_temporaries(folder)]:
+        old.unlink(missing_ok=True)
     return path
+
+
+def _stale_temporaries(folder: Path) -> list[Path]:
+    """Temporary files of killed writers (not those another writer is writing now)."""
+    stale = []
+    for path in folder.glob(".checkpoint-*.tmp"):
+        try:
+            if time.time() - path.stat().st_mtime > STALE_TMP_S:
+                stale.append(path)
+        except OSError:  # gone meanwhile
+            continue
+    return stale
 
 
 def load_newest(folder: Path) -> Checkpoint | None:

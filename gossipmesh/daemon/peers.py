@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from gossip import ADPSGD, CHOCO, DPSGD, SGP, state
 from gossip.flat import host_vector_bytes
-from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
 from gossipmesh.config import NodeConfig
 from gossipmesh.logs import NODE_LOGGER
 from p2p import Peer
@@ -22,6 +22,10 @@ from p2p.security import Curve, insecure_warning
 from p2p.wire import Limits
 
 log = logging.getLogger(NODE_LOGGER)
+#: what a daemon's inbox takes: the algorithms' and state transfer's kinds (others are rejected)
+MESSAGE_KINDS = frozenset(
+    {*DPSGD.kinds, *SGP.kinds, *ADPSGD.kinds, *CHOCO.kinds, state.REQUEST, *state.KINDS}
+)
 
 
 def make_peer(
@@ -44,7 +48,8 @@ def make_peer(
         config.listen,
         config.bootstrap,
         advertise=config.advertise,
-        limits=Limits(max_message_bytes=max(largest_message(model), STATE_CHUNK_BYTES)),
+        inbox_kinds=MESSAGE_KINDS,
+        limits=Limits(max_message_bytes=max(largest_message(model), state.CHUNK_BYTES)),
         profile=PROFILES[config.profile],
         clock=clock,
         first_round=first_round,

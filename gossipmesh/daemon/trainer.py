@@ -1,15 +1,19 @@
 """The training loop of one node: local steps through the gossip optimizer, paced, recorded.
 
-A node that starts with the mesh trains from round 0. A late joiner first takes a live
-member's state (parameters, optimizer buffers, counters) and starts a few rounds ahead of it;
-every node answers such requests between its steps. With a state folder the node checkpoints
-every few steps and when it stops, and a restarted node resumes from its newest checkpoint
-(then takes a live member's state only if that one has trained further).
+A node that starts with the mesh trains from round 0. A late joiner first takes the state
+(parameters, optimizer buffers, counters) of a member that trains, trying another when one is
+silent or sends a bad state, and starts a few rounds ahead of it; every node answers such
+requests between its steps. With a state folder the node checkpoints every few steps and when
+it stops (a checkpoint that cannot be written is counted and tried again, training goes on),
+and a restarted node resumes from its newest checkpoint (then takes a live member's state only
+if that one has trained further).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gossip.state import Snapshot
+from gossip.state import RETRY_S, Snapshot, StateTransferError
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
@@ -30,10 +34,15 @@ from gossipmesh.daemon.recorder import Recorder
 from gossipmesh.report import Progress, TimelinePoint
 from gossipmesh.tasks import Batches, Evaluation, Task
 from p2p import Peer
+from p2p.membership import NOT_YET
+from p2p.ratelimit import QuietLog
 from topologies import member_order
 
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
+SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for another
+CHECKPOINT_RETRY_S = 10.0  # a checkpoint that failed (disk full...) is tried again after this
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -74,6 +83,8 @@ class Trainer:
             metrics.training = self
         self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
         self._batches: Batches | None = None
+        self._checkpoint_retry_at: float | None = None  # set while a failed checkpoint waits
+        self._checkpoint_log = QuietLog(log, interval_s=60.0)
 
     @property
     def steps(self) -> int:
@@ -115,14 +126,39 @@ class Trainer:
         }
         save_checkpoint(self.config.state_dir, self.progress.steps, tensors, counters)
 
-    def join_running_mesh(self) -> None:
-        """Take the state of a live member (the first other one in member order)."""
-        source = next(m for m in member_order(self.peer.members()) if m != self.peer.node_id)
-        first_round = self.optimizer.join_from(source, timeout=self.config.startup_timeout)
-        self.progress.steps = self.optimizer.local_steps
-        say(
-            self.config.progress,
-            f"{self.peer.node_id} took the state of {source}; trains from round {first_round}",
+    def join_running_mesh(self, cancelled: Callable[[], bool]) -> bool:
+        """Take the state of a member that trains (one that has announced its first round: a
+        member still starting has no state to give), in an order of this node's own so that
+        joiners spread over the sources; a silent source or a bad state moves on to the next.
+        False when no member trains (the members present start from round 0 together) or when
+        ``cancelled()``; raises StateTransferError when none gave its state in time."""
+        me = self.peer.node_id
+        deadline = time.monotonic() + self.config.startup_timeout
+        failures: list[str] = []
+        while time.monotonic() < deadline and not cancelled():
+            sources = member_order(self.peer.members(NOT_YET - 1) - {me})
+            if not sources:
+                return False
+            random.Random(me).shuffle(sources)
+            for source in sources:
+                remaining = deadline - time.monotonic()
+                try:
+                    first_round = self.optimizer.join_from(
+                        source, timeout=remaining, patience_s=SOURCE_PATIENCE_S, cancelled=cancelled
+                    )
+                except StateTransferError as exc:
+                    failures.append(str(exc))
+                    if cancelled() or time.monotonic() >= deadline:
+                        break
+                    log.warning("%s: %s; trying another member", me, exc)
+                    continue
+                self.progress.steps = self.optimizer.local_steps
+                say(self.config.progress, f"{me} took the state of {source}; trains from round {first_round}")
+                return True
+        if cancelled():
+            return False
+        raise StateTransferError(
+            f"no member gave its state within {self.config.startup_timeout:g} s: " + "; ".join(failures[-3:])
         )
 
     def run(self, stop: threading.Event) -> None:
@@ -161,13 +197,13 @@ class Trainer:
                 self._smooth(loss.item())
                 if self.metrics is not None:
                     self._observe(self.metrics)
-                if checkpoints and progress.steps % config.checkpoint_every == 0:
-                    self.checkpoint()
+                if checkpoints and self._checkpoint_due(progress.steps):
+                    self._try_checkpoint()
         finally:
             self.optimizer.close()
             self.peer.leave(after_round=self.optimizer.round - 1)
             if checkpoints:
-                self.checkpoint()
+                self._try_checkpoint()
             final = self.recorder.stop()
             progress.timeline = self.recorder.timeline
             progress.final = {"loss": final.loss, "accuracy": final.accuracy}
@@ -179,6 +215,31 @@ class Trainer:
     def _evaluate(self) -> Evaluation:
         with self._autocast():
             return self.task.evaluate(self.model)
+
+    def _checkpoint_due(self, steps: int) -> bool:
+        retry_at = self._checkpoint_retry_at
+        if retry_at is not None:
+            return time.monotonic() >= retry_at
+        return steps % self.config.checkpoint_every == 0
+
+    def _try_checkpoint(self) -> None:
+        """A checkpoint; one that cannot be written is counted, logged and tried again later,
+        and training goes on (the previous checkpoint is still whole)."""
+        try:
+            self.checkpoint()
+        except OSError as exc:
+            self.progress.checkpoint_failures += 1
+            self._checkpoint_retry_at = time.monotonic() + CHECKPOINT_RETRY_S
+            self._checkpoint_log.warning(
+                "checkpoint",
+                "%s: cannot write a checkpoint to %s (%s); training goes on, retrying every %g s",
+                self.peer.node_id,
+                self.config.state_dir,
+                exc,
+                CHECKPOINT_RETRY_S,
+            )
+        else:
+            self._checkpoint_retry_at = None
 
     def _smooth(self, loss: float) -> None:
         if math.isnan(self.train_loss):

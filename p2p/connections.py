@@ -1,0 +1,172 @@
+"""Outgoing connections: one DEALER per (address, CURVE key), bounded in number and closed when idle.
+
+A connection is named by the address it dials *and* the key it expects there, so learning of
+another key for an address (from a beacon, from a member record) opens another connection and
+never touches a working one. An address whose key is not known yet (a bootstrap address) is
+dialed once per trusted key, of which only the right one completes; such unverified
+connections are few (``max_unverified``) and short-lived (``unverified_s``).
+
+Every socket counts against ``max_connections`` (kept well below ZeroMQ's 1023 sockets per
+context): opening one more closes the least recently used. A connection not sent on for
+``idle_s`` is closed; the next send to it dials again. So no peer, however many addresses it
+names, can make a node hold more than ``max_connections`` sockets, or hold one for long.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from p2p.security import Curve, configure_client
+
+MAX_CONNECTIONS = 512
+MAX_UNVERIFIED = 64  # sockets to addresses whose key is not known (bootstrap, beacon) at once
+IDLE_S = 120.0
+UNVERIFIED_S = 10.0
+CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: dial, then speak
+HEARTBEAT_MS = 1000
+
+Target = tuple[str, bytes]  # (address, server key); the key is b"" without CURVE
+
+
+@dataclass
+class Connection:
+    socket: zmq.Socket[bytes]
+    opened: float
+    used: float
+    verified: bool  # its key came from a member record (or CURVE is off)
+
+
+class Connections:
+    """The DEALERs of one transport; network thread only.
+
+    Args:
+        context: the transport's ZeroMQ context.
+        node_id: each DEALER's routing id is ``NODE_ID/TOKEN``, a random token per connection:
+            a receiver reads the id a sender claims from it, and no connection, a new one of
+            the same node after a partition or one of an impostor, ever collides with another
+            at the receiving ROUTER (which would refuse it, or with ROUTER_HANDOVER drop the
+            other).
+        curve: keys for CURVE, None without.
+        send_queue: ZMQ_SNDHWM of each socket.
+        linger_ms: ZMQ_LINGER of each socket (on idle or evicted close: 0).
+        on_close: called with a target whose socket was closed (its queued stream is gone).
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        *,
+        node_id: str,
+        curve: Curve | None,
+        send_queue: int,
+        linger_ms: int,
+        on_close: Callable[[Target, Connection], None],
+        max_connections: int = MAX_CONNECTIONS,
+        max_unverified: int = MAX_UNVERIFIED,
+        idle_s: float | None = None,
+        unverified_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._context = context
+        self._node_id = node_id
+        self._curve = curve
+        self._send_queue = send_queue
+        self._linger_ms = linger_ms
+        self._on_close = on_close
+        self._max = max_connections
+        self._max_unverified = max_unverified
+        self._idle_s = IDLE_S if idle_s is None else idle_s
+        self._unverified_s = UNVERIFIED_S if unverified_s is None else unverified_s
+        self._clock = clock
+        self._open: OrderedDict[Target, Connection] = OrderedDict()  # least recently used first
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def targets(self, address: str, key: str | None) -> list[Target]:
+        """Where a message to ``address`` goes: the one (address, key), or with CURVE and no key
+        known, one per trusted key; none for a key that is not trusted."""
+        if self._curve is None:
+            return [(address, b"")]
+        if key is None:
+            return [(address, k) for k in sorted(self._curve.trusted.current())]
+        raw = key.encode()
+        return [(address, raw)] if self._curve.trusted.allows(raw) else []
+
+    def get(self, target: Target, *, verified: bool) -> Connection:
+        """The connection to ``target``, dialed now if there is none; marks it used."""
+        now = self._clock()
+        connection = self._open.get(target)
+        if connection is None:
+            connection = self._dial(target, verified, now)
+        else:
+            self._open.move_to_end(target)
+            connection.verified |= verified
+        connection.used = now
+        return connection
+
+    def find(self, target: Target) -> Connection | None:
+        return self._open.get(target)
+
+    def close_address(self, address: str) -> None:
+        """Close every connection to ``address`` (whatever key), dropping what is queued."""
+        for target in [t for t in self._open if t[0] == address]:
+            self._close(target, linger_ms=0)
+
+    def expire(self, now: float) -> None:
+        """Close the connections idle for too long."""
+        for target, connection in list(self._open.items()):
+            limit = self._idle_s if connection.verified else min(self._idle_s, self._unverified_s)
+            if now - connection.used > limit:
+                self._close(target, linger_ms=0)
+
+    def close_all(self) -> None:
+        for target in list(self._open):
+            self._close(target, linger_ms=self._linger_ms)
+
+    def _dial(self, target: Target, verified: bool, now: float) -> Connection:
+        if not verified:
+            unverified = [t for t, c in self._open.items() if not c.verified]
+            if len(unverified) >= self._max_unverified:
+                self._evict(unverified[0])
+        if len(self._open) >= self._max:
+            self._evict(next(iter(self._open)))
+        address, key = target
+        socket = self._context.socket(zmq.DEALER)
+        if self._curve is not None:
+            configure_client(socket, self._curve.keys, key)
+        socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}".encode())
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
+        # a connection that goes silent (a partition, a crashed host) is dropped and redialed
+        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+        socket.setsockopt(zmq.SNDHWM, self._send_queue)
+        socket.setsockopt(zmq.LINGER, self._linger_ms)
+        try:
+            socket.connect(address)
+        except zmq.ZMQError:  # an address ZeroMQ cannot dial: no socket is left behind
+            socket.close(linger=0)
+            raise
+        connection = self._open[target] = Connection(socket, now, now, verified)
+        return connection
+
+    def _evict(self, target: Target) -> None:
+        self.evicted += 1
+        self._close(target, linger_ms=0)
+
+    def _close(self, target: Target, *, linger_ms: int) -> None:
+        connection = self._open.pop(target)
+        self._on_close(target, connection)
+        connection.socket.close(linger=linger_ms)
+
+
+def usable_at(connection: Connection) -> float:
+    """When a connection can be sent on without its first messages being dropped."""
+    return connection.opened + CONNECT_GRACE_S

@@ -1,0 +1,363 @@
+"""A structure-aware fuzzer against a live node, for the suite (``test_fuzz_live.py``, seconds)
+and ``bench/fuzz_wire.py`` (minutes).
+
+Inputs come from hypothesis strategies built from the wire schema: headers whose every field is
+drawn from what the decoder accepts and what it must refuse; valid messages of every kind a
+node reads (membership, each algorithm's, state transfer, streams of chunks) built by the
+project's own encoders and then mutated (bits flipped, frames cut, dropped or added, one field
+of the header or its meta replaced); and UDP beacons.
+
+The target is a real node, as the daemon runs it: a ``Peer`` in a mesh with a friend, its
+inbox limited to the kinds the daemon reads, and a reader thread that hands each message to
+the code that takes it in (D-PSGD, SGP, CHOCO, AD-PSGD, the state server and a state fetch).
+A death is the network thread stopping or a reader raising: both must never happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+from helpers import addresses, wait_until
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from gossip import CHOCO, DPSGD, SGP
+from gossip.compression import Int8, Sparse
+from gossip.state import CHUNK, REQUEST, Snapshot, StateServer, StateTransferError, _Assembly
+from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
+from gossipmesh.daemon.peers import MESSAGE_KINDS
+from p2p import Peer
+from p2p.beacon import BEACON_VERSION
+from p2p.member_table import Status
+from p2p.membership import Membership
+from p2p.rejections import Rejections
+from p2p.wire import WIRE_DTYPES, encode, encode_chunks
+from topologies import Topology
+
+SIZE = 64  # the target's model: 64 float32
+IDS = ["fuzzer", "friend", "target", "ghost"]  # the fuzzer sends as fuzzer, and as the friend
+KINDS = sorted(Membership.kinds | MESSAGE_KINDS)
+_U64 = 2**64 - 1
+_EDGES = [0, 1, 2, 255, 2**31, 2**32, 2**53, 2**62, 2**63 - 1, 2**63, _U64]
+
+ints = st.one_of(st.integers(0, _U64), st.sampled_from(_EDGES), st.integers(-(2**63), 2**64 - 1))
+scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(), st.text(max_size=40))
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+node_ids = st.sampled_from(IDS) | st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)
+endpoints = (
+    st.sampled_from(["tcp://127.0.0.1:1", "tcp://10.0.0.1:7000"])
+    | st.builds("tcp://127.0.0.1:{}".format, st.integers(0, 70000))
+    | st.text(max_size=30)
+)
+keys = st.just("") | st.from_regex(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}", fullmatch=True)
+member_records = st.lists(
+    st.tuples(
+        node_ids, endpoints, ints, ints, st.sampled_from([s.value for s in Status]), ints, ints, keys
+    ).map(list)
+    | values,
+    max_size=6,
+)
+metas = st.fixed_dictionaries(
+    {},
+    optional={
+        "updates": member_records,
+        "probe": ints,
+        "target": endpoints,
+        "reply_to": endpoints,
+        "transfer": ints,
+        "exchange": ints,
+        "index": ints,
+        "count": ints,
+        "total": ints,
+        "version": ints,
+        "layout": st.lists(
+            st.tuples(
+                st.text(max_size=8), st.sampled_from(["float32", "int64", "c8"]), st.lists(ints, max_size=3)
+            ).map(list),
+            max_size=3,
+        )
+        | values,
+        "counters": st.dictionaries(st.text(max_size=8), ints | st.floats(), max_size=3) | values,
+        "sparse": st.sampled_from(["index", "bitmap", "zip"]) | values,
+        "x": values,
+    },
+)
+descriptors = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(sorted(WIRE_DTYPES)) | values,
+        "shape": st.lists(st.integers(0, 8) | ints, max_size=9) | values,
+        "nbytes": st.integers(0, 64) | ints,
+    }
+)
+headers = st.fixed_dictionaries(
+    {
+        "v": st.just(1) | values,
+        "kind": st.sampled_from(KINDS) | st.text(max_size=40),
+        "sender": node_ids,
+        "session": ints,
+        "seq": ints,
+        "round": st.integers(0, 100) | ints,
+        "tensors": st.lists(descriptors, max_size=4) | values,
+    },
+    optional={
+        "meta": metas | values,
+        "chunk": st.lists(ints, min_size=3, max_size=3) | values,
+        "extra": values,
+    },
+)
+
+
+@dataclass
+class Input:
+    """What the fuzzer sends: ZeroMQ messages in order, or a UDP beacon."""
+
+    messages: list[list[bytes]] = field(default_factory=list)
+    beacon: bytes | None = None
+
+
+@st.composite
+def _schema_messages(draw: st.DrawFn) -> Input:
+    header = draw(headers)
+    payload = draw(st.lists(st.binary(max_size=128), max_size=4))
+    return Input([[msgpack.packb(header, use_bin_type=True), *payload]])
+
+
+_seqs = itertools.count(1)
+
+
+@st.composite
+def _valid_messages(draw: st.DrawFn) -> Input:
+    """A well-formed message of one of the kinds a node reads (a stream: several messages)."""
+    sender = draw(st.sampled_from(["fuzzer", "friend", "friend", "friend"]))  # mostly a member: read deep
+    kind = draw(st.sampled_from(KINDS))
+    round = draw(st.integers(0, 70) | st.sampled_from([2**62, _U64]))
+    vector = np.asarray(draw(st.lists(st.floats(width=32), min_size=SIZE, max_size=SIZE)), np.float32)
+    tensors: list[np.ndarray] = []
+    meta: dict[str, Any] = {"updates": draw(member_records), "reply_to": draw(endpoints)}
+    if kind in ("params", "pair_request", "pair_reply", "choco_full"):
+        tensors = [vector]
+        meta["exchange"] = draw(ints)
+    elif kind == "push":
+        tensors = [vector, np.array([draw(st.floats())])]
+    elif kind == "choco":
+        codec = draw(st.sampled_from([Int8(), Sparse("topk", 0.1)]))
+        encoded = codec.encode(np.nan_to_num(vector))
+        tensors, meta = list(encoded.frames), {**meta, **encoded.meta}
+    elif kind in (REQUEST, CHUNK):
+        meta.update(
+            transfer=draw(ints), index=draw(st.integers(0, 2) | ints), count=draw(st.integers(1, 2) | ints)
+        )
+        meta.update(
+            version=1, total=SIZE * 4, layout=[["params", "float32", [SIZE]]], counters={"round": draw(ints)}
+        )
+        tensors = [vector.view(np.uint8)] if kind == CHUNK else []
+    else:
+        meta.update(probe=draw(ints), target=draw(endpoints))
+    fields = {"kind": kind, "sender": sender, "round": round, "tensors": tensors, "meta": meta}
+    if tensors and draw(st.integers(0, 3)) == 0:  # as a stream of chunks
+        chunks = encode_chunks(**fields, session=7, seqs=_seqs, chunk_bytes=draw(st.integers(16, 200)))
+        return Input([[bytes(f) for f in chunk] for chunk in chunks])
+    return Input([[bytes(f) for f in encode(**fields, session=7, seq=next(_seqs))]])
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> Input:
+    """A valid message (or stream) with a few mutations."""
+    messages = [list(m) for m in draw(_valid_messages()).messages]
+    for _ in range(draw(st.integers(1, 3))):
+        message = draw(st.sampled_from(messages))
+        index = draw(st.integers(0, len(message) - 1))
+        frame = bytearray(message[index])
+        op = draw(st.sampled_from(["flip", "cut", "splice", "drop", "add", "field", "meta", "repeat"]))
+        if op == "flip" and frame:
+            frame[draw(st.integers(0, len(frame) - 1))] ^= 1 << draw(st.integers(0, 7))
+        elif op == "cut":
+            del frame[draw(st.integers(0, len(frame))) :]
+        elif op == "splice":
+            at = draw(st.integers(0, len(frame)))
+            frame[at:at] = draw(st.binary(min_size=1, max_size=32))
+        elif op == "drop" and len(message) > 1:
+            del message[index]
+            continue
+        elif op == "add":
+            message.append(draw(st.binary(max_size=64)))
+            continue
+        elif op in ("field", "meta"):
+            header = _header(message[0])
+            target = header.get("meta") if op == "meta" and header is not None else header
+            if isinstance(target, dict):
+                target[draw(st.sampled_from([*target, "x"]))] = draw(values)
+                message[0] = msgpack.packb(header, use_bin_type=True)
+            continue
+        elif op == "repeat":
+            messages.append(list(message))
+            continue
+        message[index] = bytes(frame)
+    return Input(messages)
+
+
+beacon_fields = st.fixed_dictionaries(
+    {"v": st.just(BEACON_VERSION) | values, "mesh": st.just("fuzz") | values, "id": node_ids | values,
+     "address": endpoints | values, "key": keys | values},
+)  # fmt: skip
+beacons = st.builds(lambda b: Input(beacon=msgpack.packb(b, use_bin_type=True)), beacon_fields) | st.builds(
+    lambda raw: Input(beacon=raw), st.binary(max_size=600)
+)
+
+#: everything the fuzzer sends
+wire_inputs = st.one_of(_schema_messages(), _valid_messages(), _mutated(), beacons)
+
+
+class FuzzTarget:
+    """A live node (``target``) in a mesh with ``friend``, reading as the daemon reads; the
+    fuzzer may send as either id (it is insecure: anyone may claim any id)."""
+
+    def __init__(self, beacon_port: int) -> None:
+        listen = addresses(2)
+        self.friend = Peer("friend", listen[1], [listen[0]])
+        self.target = Peer(
+            "target", listen[0], inbox_kinds=MESSAGE_KINDS, beacon_port=beacon_port, mesh_name="fuzz"
+        )
+        self.target.transport.stats.rejections = Rejections(shun_after=2**62)  # keep reading the fuzzer
+        self.errors: list[str] = []
+        self.taken = 0
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="fuzz-reader", daemon=True)
+
+    def start(self) -> None:
+        self.target.start()
+        self.friend.start()
+        self.target.wait_ready(20, expect=2)
+        self._reader.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reader.join(10)
+        self.friend.close()
+        self.target.close()
+
+    @property
+    def deaths(self) -> int:
+        """Network threads stopped, readers that raised: each a crash of a real node."""
+        return (self.target.transport.failure is not None) + len(self.errors)
+
+    def _read(self) -> None:
+        peer = self.target
+        ring, exponential = Topology.parse("ring"), Topology.parse("one-peer-exponential")
+        readers: list[tuple[frozenset[str], Callable[[Any], object]]] = []
+        dpsgd = DPSGD(peer, np.zeros(SIZE, np.float32), topology=ring)
+        readers.append((frozenset(dpsgd.kinds), lambda m: (dpsgd._file(m, 0, {}), dpsgd._early.clear())))
+        sgp = SGP(peer, np.zeros(SIZE, np.float32), topology=exponential)
+        readers.append((frozenset(sgp.kinds), lambda m: (sgp._mix_in(m, 0), sgp._later.clear())))
+        choco = CHOCO(peer, np.zeros(SIZE, np.float32), topology=ring, codec=Int8())
+        readers.append((frozenset(choco.kinds), choco._take))
+        readers.append((frozenset({CHUNK}), _take_chunk))
+        server = StateServer(peer, lambda: Snapshot({"params": np.zeros(SIZE, np.float32)}, {"round": 1}))
+        kinds = frozenset().union(*(k for k, _ in readers))
+        while not self._stop.is_set():
+            try:
+                server.serve()
+                message = peer.transport.recv(0.05, kinds)
+                if message is not None:
+                    self.taken += 1
+                    next(take for k, take in readers if message.kind in k)(message)
+            except Exception:  # a reader that raises would be a training thread that dies
+                self.errors.append(traceback.format_exc())
+
+
+def _take_chunk(message: Any) -> None:
+    """What a joiner does with a state chunk: start a transfer with it, add it, check the whole."""
+    with contextlib.suppress(StateTransferError):
+        assembly = _Assembly.start(message.meta, 1 << 16, STATE_CHUNK_BYTES, message.sender)
+        assembly.add(message.meta, message.tensors, message.sender)
+        if assembly.complete:
+            assembly.snapshot(message.sender)
+
+
+class Fuzzer:
+    """Sends inputs to a target: as ``fuzzer`` or, when the header says so, as ``friend``."""
+
+    def __init__(self, address: str, beacon_port: int) -> None:
+        self._context = zmq.Context()
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        for sender in ("fuzzer", "friend"):
+            dealer = self._context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.ROUTING_ID, f"{sender}/fuzz".encode())
+            dealer.setsockopt(zmq.SNDHWM, 100_000)
+            dealer.connect(address)
+            self._dealers[sender] = dealer
+        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._beacon_port = beacon_port
+        self.sent = 0
+
+    def send(self, sent: Input) -> None:
+        if sent.beacon is not None:
+            self._udp.sendto(sent.beacon, ("127.0.0.1", self._beacon_port))
+            self.sent += 1
+        for frames in sent.messages:
+            self._dealers[_claimed(frames)].send_multipart(frames)
+            self.sent += 1
+
+    def close(self) -> None:
+        self._udp.close()
+        self._context.destroy(linger=1000)
+
+
+def _header(frame: bytes) -> dict[Any, Any] | None:
+    """The header map in a (maybe mutated) frame, if there is one."""
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception:  # garbage
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _claimed(frames: list[bytes]) -> str:
+    """The dealer to send a message from: the friend's when its header says it is from it."""
+    header = _header(frames[0]) if frames else None
+    return "friend" if header is not None and header.get("sender") == "friend" else "fuzzer"
+
+
+def settle(target: FuzzTarget, timeout: float = 30.0) -> bool:
+    """Wait until the target has read everything sent so far (its counters stop moving)."""
+    stats = target.target.stats
+    last = [-1]
+
+    def still() -> bool:
+        now = stats.messages_received + stats.messages_rejected
+        moved, last[0] = now != last[0], now
+        return not moved
+
+    return wait_until(still, timeout, interval=0.5)
+
+
+def fuzz(fuzzer: Fuzzer, examples: int) -> None:
+    """Send ``examples`` inputs drawn from ``wire_inputs`` (one hypothesis run, no shrinking:
+    the target's deaths, not an exception here, say whether it failed)."""
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(wire_inputs)
+    def send(sent: Input) -> None:
+        fuzzer.send(sent)
+
+    send()

@@ -1,0 +1,86 @@
+"""What an attacker sends, for the hardening tests and the live fuzzer: raw CURVE sockets with a
+key of its choosing, forged beacons, forged member records, and a look at a process's memory."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgpack
+import zmq
+from helpers import wait_until
+
+from p2p import Peer, Transport
+from p2p.beacon import BEACON_VERSION
+from p2p.member_table import Member, Status
+from p2p.security import NodeKeys, configure_client
+
+
+@contextmanager
+def dealers(
+    routing_ids: Sequence[str], address: str, own: NodeKeys | None = None, server_key: bytes = b""
+) -> Iterator[list[zmq.Socket[bytes]]]:
+    """Bare DEALERs (CURVE with ``own`` keys, if given), one claiming each of ``routing_ids``:
+    they send whatever a test wants (what they queued gets a second to leave at the end)."""
+    context = zmq.Context()
+    dealers = []
+    for routing_id in routing_ids:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+        dealer.setsockopt(zmq.LINGER, 1000)
+        if own is not None:
+            configure_client(dealer, own, server_key)
+        dealer.connect(address)
+        dealers.append(dealer)
+    try:
+        yield dealers
+    finally:
+        context.destroy(linger=1000)
+
+
+def connect(sender: Transport, address: str, receiver: Transport, key: str | None = None) -> None:
+    """Send harmless gossip from ``sender`` until ``receiver`` hears it: the connection is up
+    (what a transport sends before its connection is up is dropped)."""
+    heard = receiver.stats.messages_received
+    meta = {"updates": [], "reply_to": sender.address}
+    for _ in range(100):
+        sender.send(address, "gossip", 0, meta=meta, key=key)
+        if wait_until(lambda: receiver.stats.messages_received > heard, 0.1):
+            return
+    raise AssertionError(f"{sender.node_id} could not reach {address}")
+
+
+def forge_beacon(port: int, *, node_id: str, address: str, key: str = "", mesh: str = "gossipmesh") -> None:
+    """One UDP beacon to 127.0.0.1:``port`` saying whatever the caller likes."""
+    beacon = msgpack.packb({"v": BEACON_VERSION, "mesh": mesh, "id": node_id, "address": address, "key": key})
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.sendto(beacon, ("127.0.0.1", port))
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        return int(udp.getsockname()[1])
+
+
+def record_of(peer: Peer, **changes: object) -> list[object]:
+    """``peer``'s own member record as it would gossip it, with ``changes`` (a forgery)."""
+    me: Member = peer.membership._me
+    fields = {**me.__dict__, **changes}
+    return Member(**fields).to_wire()  # type: ignore[arg-type]
+
+
+def fake_members(count: int, prefix: str = "fake", key: str = "") -> list[list[object]]:
+    """Records of ``count`` live members that do not exist (addresses nobody listens on)."""
+    return [
+        Member(f"{prefix}-{i}", f"tcp://127.0.0.1:{10_000 + i}", i + 1, 0, Status.ALIVE, key=key).to_wire()
+        for i in range(count)
+    ]
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process now (VmRSS)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024

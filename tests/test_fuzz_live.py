@@ -1,0 +1,37 @@
+"""The structure-aware fuzzer (``fuzz_live``) against a live node, for a bounded time:
+no input stops its network thread or a reader, and the node still works afterwards
+(``bench/fuzz_wire.py`` runs the same for minutes)."""
+
+from __future__ import annotations
+
+import pytest
+from fuzz_live import Fuzzer, FuzzTarget, fuzz, settle
+from helpers import addresses
+from hostile import free_udp_port, resident_bytes
+
+from p2p import Peer
+
+pytestmark = pytest.mark.mesh
+EXAMPLES = 2000
+
+
+def test_no_input_kills_a_live_node_or_grows_it() -> None:
+    port = free_udp_port()
+    target = FuzzTarget(port)
+    target.start()
+    fuzzer = Fuzzer(target.target.address, port)
+    newcomer = Peer("newcomer", addresses(1)[0], [target.target.address])
+    try:
+        before = resident_bytes()
+        fuzz(fuzzer, EXAMPLES)
+        assert settle(target)
+        assert target.deaths == 0, target.errors[:1]
+        stats = target.target.stats
+        assert stats.messages_rejected > EXAMPLES / 4 and target.taken > 0  # it got deep, and was refused
+        newcomer.start()  # the node still serves: a newcomer joins through it
+        newcomer.wait_ready(20, expect=3)
+        assert resident_bytes() - before < 200 << 20
+    finally:
+        newcomer.close()
+        fuzzer.close()
+        target.close()

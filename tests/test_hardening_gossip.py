@@ -1,0 +1,184 @@
+"""Hardening of what the algorithms take in (issue 16): nothing non-finite reaches a model (6),
+robust rules are defined for any number of arrivals (7), a request cannot make a node copy its
+state or model without bound (9), and a joiner checks a state source's counters and skips a
+bad source for another (12)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from helpers import in_background, started_peers
+
+from gossip import CHOCO, DPSGD, GossipOptimizer
+from gossip.choco import FULL, FULL_REQUEST, KIND
+from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
+from gossip.robust import RobustRule
+from gossip.state import REQUEST, Snapshot, StateTransferError, fetch_snapshot, send_snapshot
+from gossipmesh.config import NodeConfig
+from gossipmesh.daemon.trainer import Trainer
+from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
+from topologies import Topology
+
+SIZE = 300
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _int8_frames(q: int, scale: float) -> list[np.ndarray]:
+    blocks = -(-SIZE // INT8_BLOCK)
+    return [np.full(SIZE, q, np.int8), np.full(blocks, scale, np.float32)]
+
+
+@pytest.mark.parametrize(
+    ("codec", "frames", "reason"),
+    [
+        (Codec(), [np.full(SIZE, np.nan, np.float32)], "non_finite"),
+        (Float16(), [np.full(SIZE, np.inf, np.float16)], "non_finite"),
+        (BFloat16(), [np.full(SIZE, 0x7FC0, np.uint16)], "non_finite"),  # a bf16 NaN
+        (Int8(), _int8_frames(1, 3e38), "codec_scale"),
+        (Int8(), _int8_frames(-128, _F32_MAX / 127), "non_finite"),  # within the scale bound
+    ],
+)
+def test_no_codec_decodes_to_non_finite_values(codec: Codec, frames: list[np.ndarray], reason: str) -> None:
+    """Item 6."""
+    with pytest.raises(CodecError) as caught:
+        codec.decode(frames, {}, SIZE)
+    assert caught.value.reason == reason
+
+
+def _choco_pair(round_timeout: float = 0.2) -> tuple[CHOCO, np.ndarray, MemoryPeer]:
+    """Node a running CHOCO (exact codec) on a ring with b, which the test plays by hand, and
+    b's full copy of ones already in a's inbox for round 0."""
+    network = MemoryNetwork()
+    a, b = network.join("a"), network.join("b")
+    params = np.zeros(SIZE, np.float32)
+    choco = CHOCO(a, params, topology=Topology.parse("ring"), codec=Codec(), round_timeout=round_timeout)
+    b.send("a", FULL, 0, [np.ones(SIZE, np.float32)])
+    return choco, params, b
+
+
+def test_choco_refuses_non_finite_updates() -> None:
+    """Item 6: a neighbour's update of NaN."""
+    choco, params, b = _choco_pair()
+    choco.after_step()  # round 0 mixes b's full copy
+    b.send("a", KIND, 1, [np.full(SIZE, np.nan, np.float32)])
+    choco.after_step()
+    assert np.isfinite(params).all() and params[0] == pytest.approx(0.5)
+    assert choco.rejected["non_finite"] == 1
+
+
+def test_choco_drops_a_replica_that_a_diverged_neighbour_made_infinite() -> None:
+    """Item 6: finite updates that add up past float32's range (a neighbour that diverged)."""
+    choco, params, b = _choco_pair()
+    choco.after_step()
+    for r in (1, 2):
+        b.send("a", KIND, r, [np.full(SIZE, 3e38, np.float32)])
+        choco.after_step()
+    assert np.isfinite(params).all()
+    assert choco.rejected["non_finite"] == 1
+
+
+def test_robust_rules_do_not_trust_fewer_arrivals_than_they_tolerate() -> None:
+    """Item 7: trimmed-mean with one arrival used to raise; clip with one used that arrival's own
+    distance as the radius, so moved a third of the way to a value 1e6 away."""
+    own = np.zeros(4, np.float32)
+    liar = np.full(4, 1e6, np.float32)
+    out = np.empty(4, np.float32)
+    for rule in (RobustRule("trimmed-mean", 1), RobustRule("clip", 1)):
+        rule.mix(own, {"liar": (liar, 1 / 3)}, out)
+        np.testing.assert_array_equal(out, own)
+    RobustRule("trimmed-mean", 1).mix(own, {}, out)
+    np.testing.assert_array_equal(out, own)
+
+
+def test_dpsgd_with_trimmed_mean_goes_on_when_a_neighbour_is_silent() -> None:
+    """Item 7: one silent neighbour on the default ring."""
+    network = MemoryNetwork()
+    a, b, _ = network.join("a"), network.join("b"), network.join("c")
+    params = np.zeros(4, np.float32)
+    dpsgd = DPSGD(
+        a, params, topology=Topology.parse("ring"), round_timeout=0.2, robust=RobustRule("trimmed-mean")
+    )
+    b.send("a", "params", 0, [np.ones(4, np.float32)])
+    stats = dpsgd.after_step()
+    assert stats.arrived == 1 and (params == 0).all()
+
+
+def _optimizer(peer: MemoryPeer) -> GossipOptimizer:
+    return GossipOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), peer=peer)
+
+
+def test_a_flood_of_state_requests_costs_a_bounded_number_of_snapshots() -> None:
+    """Item 9: 20 requests from one member, then one from each of 5 more."""
+    network = MemoryNetwork()
+    source = _optimizer(network.join("source"))
+    asker = network.join("asker")
+    for transfer in range(20):
+        asker.send("source", REQUEST, 0, meta={"transfer": transfer})
+    assert source.serve_state() == 1
+    for i in range(5):
+        network.join(f"other-{i}").send("source", REQUEST, 0, meta={"transfer": i})
+    assert source.serve_state() == 1  # two transfers per RETRY_S in all
+
+
+def test_a_flood_of_full_copy_requests_costs_one_copy() -> None:
+    """Item 9: CHOCO answers 20 requests for its public copy in one round with one copy."""
+    choco, _, b = _choco_pair()
+    for _ in range(20):
+        b.send("a", FULL_REQUEST, 0)
+    choco.after_step()
+    assert choco.full_copies_sent == 1
+
+
+def _answer_with(peer: MemoryPeer, state: Snapshot) -> Callable[[], None]:
+    """What a source that sends ``state`` does with each request."""
+
+    def step() -> None:
+        while (request := peer.recv(0, (REQUEST,))) is not None:
+            send_snapshot(peer, request.sender, request.meta["transfer"], state, 1 << 20)
+
+    return step
+
+
+def test_a_state_with_impossible_counters_is_refused() -> None:
+    """Item 12: round 1e300 (the joiner used to announce it, and its network thread died)."""
+    network = MemoryNetwork()
+    source, newcomer = network.join("source"), network.join("newcomer")
+    state = Snapshot({"params": np.zeros(4, np.float32)}, {"round": 1e300})
+    with (
+        in_background(_answer_with(source, state)),
+        pytest.raises(StateTransferError, match="counters must map names to numbers"),
+    ):
+        fetch_snapshot(newcomer, "source", timeout=5, max_bytes=1 << 20)
+
+
+def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
+    """Item 12: "bad" sends impossible counters; the joiner takes "good"'s state instead."""
+    network = MemoryNetwork()
+    bad, good, late = network.join("bad"), network.join("good"), network.join("late")
+    config = NodeConfig(insecure=True, startup_timeout=20)
+    task = config.task.make()
+    trainer = Trainer(config, task, task.model(0), late, 0, time.monotonic)  # type: ignore[arg-type]
+    source = GossipOptimizer(torch.optim.SGD(task.model(1).parameters(), lr=0.1), peer=good)
+    source.local_steps = 7
+    impossible = Snapshot({"params": trainer.optimizer.flat.array.copy()}, {"round": 1e300})
+    with (
+        in_background(_answer_with(bad, impossible)),
+        in_background(source.serve_state),
+    ):
+        assert trainer.join_running_mesh(lambda: False)
+    np.testing.assert_array_equal(trainer.optimizer.flat.array, source.flat.array)
+    assert trainer.steps == 7 and trainer.optimizer.round == 2  # good's round 0 + the lead
+
+
+def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:
+    """Item 12: such a round, announced, killed the network thread (it could not encode the
+    node's own record): now the caller hears of it, and the node goes on."""
+    with started_peers(["a", "b"]) as (a, b):
+        with pytest.raises(ValueError, match="first_round must be in 0"):
+            a.start_at_round(2**70)
+        a.send("b", "params", 0, [np.zeros(2, np.float32)])
+        assert b.recv(5, {"params"}) is not None and a.transport.failure is None

@@ -1,0 +1,137 @@
+"""Hardening of membership (issue 16): what a trusted member says about another cannot evict it,
+move it or push its incarnation out of reach (5); fake members come at a bounded rate (5); and
+bootstrap contacts are tried until they are members, so chains and rings of contacts form one
+mesh (14)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from helpers import addresses, wait_until
+from hostile import connect, fake_members, record_of
+from test_security import curve_for, curve_peers, make_keys
+
+from p2p import Peer, Transport
+from p2p.connections import MAX_CONNECTIONS
+from p2p.member_table import Status
+from p2p.membership import NEW_MEMBERS_BURST, NEW_MEMBERS_PER_S
+from p2p.security import NodeKeys
+
+pytestmark = pytest.mark.mesh
+
+
+@contextmanager
+def insider_among(tmp_path: Path) -> Iterator[tuple[Peer, Peer, Transport, str]]:
+    """Members a and b (CURVE), and m: a trusted key that is no member, speaking to a."""
+    trusted = make_keys(tmp_path, "a", "b", "m")
+    with curve_peers(tmp_path, ["a", "b"], trusted) as (a, b):
+        assert wait_until(lambda: a.members() == b.members() == {"a", "b"}, 20)
+        insider = Transport("m", "tcp://127.0.0.1:0", curve=curve_for(tmp_path, "m", trusted))
+        insider.start()
+        a_key = NodeKeys.load(tmp_path / "keys" / "a", "a").public.decode()
+        try:
+            connect(insider, a.address, a.transport, a_key)
+            yield a, b, insider, a_key
+        finally:
+            insider.close()
+
+
+def _gossip(insider: Transport, to: Peer, key: str, updates: list[list[object]]) -> None:
+    """Send member updates to ``to`` and wait until it has handled them (its network thread has
+    begun on the empty message sent after them)."""
+    heard = to.stats.messages_received
+    for batch in (updates, []):
+        insider.send(to.address, "gossip", 0, meta={"updates": batch, "reply_to": insider.address}, key=key)
+    assert wait_until(lambda: to.stats.messages_received >= heard + 2, 10)
+
+
+def _events(peer: Peer, node: str) -> list[str]:
+    return [e["event"] for e in peer.membership.events if e["node"] == node]
+
+
+def test_only_a_node_itself_can_say_it_leaves(tmp_path: Path) -> None:
+    with insider_among(tmp_path) as (a, b, insider, a_key):
+        incarnation = b.membership._me.incarnation
+        _gossip(insider, a, a_key, [record_of(b, status=Status.LEFT, incarnation=incarnation + 5)])
+        _gossip(insider, a, a_key, [record_of(b, status=Status.LEFT, incarnation=incarnation)])
+        assert "b" in a.members() and _events(a, "b") == ["joined"]
+        b.leave(after_round=3)  # b itself can
+        assert wait_until(lambda: _events(a, "b") == ["joined", "left"], 5)
+
+
+def test_a_forged_record_cannot_move_a_member_or_push_its_incarnation_out_of_reach(tmp_path: Path) -> None:
+    with insider_among(tmp_path) as (a, b, insider, a_key):
+        contact = a.membership.contact("b")
+        incarnation = b.membership._me.incarnation
+        _gossip(insider, a, a_key, [record_of(b, incarnation=2**63 - 1, address=insider.address)])
+        _gossip(insider, a, a_key, [record_of(b, incarnation=incarnation + 1, address=insider.address)])
+        assert a.membership.contact("b") == contact
+        assert a.stats.rejected == {"bad_membership": 1, "member_conflict": 1}
+
+
+def test_a_forged_suspicion_is_refuted_one_step_up(tmp_path: Path) -> None:
+    """A suspicion at incarnation 2**63-1 is refused; one at the next incarnation is refuted by
+    the suspect, whose incarnation stays small (it used to overflow, and the node was declared
+    dead)."""
+    with insider_among(tmp_path) as (a, b, insider, a_key):
+        incarnation = b.membership._me.incarnation
+        _gossip(insider, a, a_key, [record_of(b, status=Status.SUSPECT, incarnation=2**63 - 1)])
+        _gossip(insider, a, a_key, [record_of(b, status=Status.SUSPECT, incarnation=incarnation + 1)])
+        assert wait_until(lambda: _events(a, "b") == ["joined", "suspected", "alive"], 5)
+        assert b.membership._me.incarnation == incarnation + 2 and "b" in a.members()
+
+
+def test_fake_members_come_at_a_bounded_rate_and_cost_bounded_sockets(tmp_path: Path) -> None:
+    insider_key = ""
+    with insider_among(tmp_path) as (a, _, insider, a_key):
+        assert insider.curve is not None
+        insider_key = insider.curve.keys.public.decode()  # trusted: a would dial them all
+        started = time.monotonic()
+        for batch in range(8):
+            _gossip(insider, a, a_key, fake_members(500, prefix=f"fake{batch}", key=insider_key))
+        members = a.membership._table.members
+        assert wait_until(lambda: len(members) - 1 + a.stats.dropped["member_rate"] == 4000, 10)  # all read
+        allowed = NEW_MEMBERS_BURST + NEW_MEMBERS_PER_S * (time.monotonic() - started) + 1
+        assert len(members) - 1 <= allowed < 4000
+        assert len(a.transport.connections) <= MAX_CONNECTIONS
+        assert a.transport.failure is None
+
+
+def test_a_bootstrap_contact_that_comes_up_late_is_still_joined() -> None:
+    """Item 14: n1 names n2, which is not up yet; n0 joins n1 meanwhile. When n2 comes up (with
+    no contact of its own), n1 still joins it: one mesh of three."""
+    listen = addresses(3)
+    n1 = Peer("n1", listen[1], listen[2:])
+    n0 = Peer("n0", listen[0], listen[1:2])
+    n2 = Peer("n2", listen[2])
+    peers = [n0, n1, n2]
+    try:
+        n1.start()
+        n0.start()
+        assert wait_until(lambda: n0.members() == n1.members() == {"n0", "n1"}, 10)
+        n2.start()
+        assert wait_until(lambda: all(p.members() == {"n0", "n1", "n2"} for p in peers), 15)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_four_nodes_that_bootstrap_in_a_ring_form_one_mesh() -> None:
+    """Item 14: n_i names n_(i+1); n1 and n3 start first (their contacts are down), then n0 and
+    n2, each of which is joined by its predecessor before that one reaches its own contact."""
+    listen = addresses(4)
+    peers = [Peer(f"n{i}", listen[i], [listen[(i + 1) % 4]]) for i in range(4)]
+    everyone = {"n0", "n1", "n2", "n3"}
+    try:
+        peers[1].start()
+        peers[3].start()
+        peers[0].start()
+        peers[2].start()
+        assert wait_until(lambda: all(p.members() == everyone for p in peers), 15)
+    finally:
+        for peer in peers:
+            peer.close()
