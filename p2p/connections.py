@@ -6,6 +6,11 @@ never touches a working one. An address whose key is not known yet (a bootstrap 
 dialed once per trusted key, of which only the right one completes; such unverified
 connections are few (``max_unverified``) and short-lived (``unverified_s``).
 
+A message sent on a member's connection that has not come up yet (ZeroMQ would drop it: every
+socket has ZMQ_IMMEDIATE) waits for it, up to ``HANDSHAKE_S`` and ``MAX_WAITING`` messages, so the
+first messages to a new member are not lost to a busy machine's slow handshake (others, to an
+address not known as a member's, are dropped at once: their protocols ask again).
+
 Every socket counts against ``max_connections`` (kept well below ZeroMQ's 1023 sockets per
 context): opening one more closes the least recently used. A connection not sent on for
 ``idle_s`` is closed; the next send to it dials again. So no peer, however many addresses it
@@ -16,9 +21,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -29,6 +35,8 @@ MAX_UNVERIFIED = 64  # sockets to addresses whose key is not known (bootstrap, b
 IDLE_S = 120.0
 UNVERIFIED_S = 10.0
 CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: dial, then speak
+HANDSHAKE_S = 2.0  # what is sent on a new connection waits this long for it to come up...
+MAX_WAITING = 32  # ...this many messages per connection
 HEARTBEAT_MS = 1000
 
 Target = tuple[str, bytes]  # (address, server key); the key is b"" without CURVE
@@ -40,6 +48,8 @@ class Connection:
     opened: float
     used: float
     verified: bool  # its key came from a member record (or CURVE is off)
+    waiting: deque[list[Any]] = field(default_factory=deque)  # messages sent before it was up
+    up: bool = False  # a message went out on it (then a failed send means the peer is gone)
 
 
 class Connections:
@@ -111,6 +121,45 @@ class Connections:
             connection.verified |= verified
         connection.used = now
         return connection
+
+    def send(self, target: Target, frames: list[Any], *, verified: bool) -> bool:
+        """Send on the connection to ``target`` (dialed now if there is none) without blocking;
+        False when the message is dropped (a connection that is up but full, or none)."""
+        connection = self.get(target, verified=verified)
+        if not connection.waiting:
+            try:
+                connection.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                connection.up = True
+                return True
+            except zmq.Again:
+                pass
+        young = self._clock() - connection.opened < HANDSHAKE_S
+        if connection.verified and not connection.up and young and len(connection.waiting) < MAX_WAITING:
+            connection.waiting.append(frames)
+            return True
+        return False
+
+    @property
+    def waiting(self) -> bool:
+        """Whether messages wait for a connection to come up (then call :meth:`flush` soon)."""
+        return any(c.waiting for c in self._open.values())
+
+    def flush(self) -> int:
+        """Send what waits on connections that came up; returns how many messages were dropped
+        because theirs did not within ``HANDSHAKE_S``."""
+        dropped, now = 0, self._clock()
+        for connection in self._open.values():
+            while connection.waiting:
+                try:
+                    connection.socket.send_multipart(connection.waiting[0], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    if now - connection.opened >= HANDSHAKE_S:
+                        dropped += len(connection.waiting)
+                        connection.waiting.clear()
+                    break
+                connection.waiting.popleft()
+                connection.up = True
+        return dropped
 
     def find(self, target: Target) -> Connection | None:
         return self._open.get(target)

@@ -60,6 +60,7 @@ MAX_UPDATES_PER_MESSAGE = 16
 NEW_MEMBERS_PER_S = 256.0  # members one peer may add per second...
 NEW_MEMBERS_BURST = 1024  # ...after a first burst (a table of that many, at once)
 BEACON_CONTACTS_PER_S = 2.0  # beacons acted on per second, all senders together
+TABLES_PER_S = 20.0  # whole tables sent per second to members heard of second-hand
 MAX_FORWARDS = 64  # indirect probes this node runs for others at once
 MAX_EVENTS = 10_000  # membership events kept for the run report
 
@@ -172,6 +173,7 @@ class Membership:
         self._outbox = Outbox(transport)
         self._new_members = KeyedLimiter(NEW_MEMBERS_PER_S, NEW_MEMBERS_BURST)
         self._beacons = Bucket(BEACON_CONTACTS_PER_S, 2 * BEACON_CONTACTS_PER_S, time.monotonic())
+        self._tables = Bucket(TABLES_PER_S, 2 * TABLES_PER_S, time.monotonic())
         self._log = QuietLog(log, per_s=10.0)
         self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "reconnect": 0.0}
 
@@ -482,10 +484,10 @@ class Membership:
             self._suspicions.pop(member.id, None)
         if change.event == "joined":
             self._eligible_at[member.id] = now + CONNECT_GRACE_S
-            # whoever learns of a member makes sure it learns of them: a member that came itself
-            # gets our table; one we heard of, our own record (whole tables for every member
-            # named second-hand would cost a table per name)
-            if first_hand:
+            # whoever learns of a member makes sure it learns of them: our table, or, beyond
+            # TABLES_PER_S for members heard of second-hand (a flood of names would cost a table
+            # per name), our own record
+            if first_hand or self._tables.take(now):
                 self._send_table_to(member, "sync")
             else:
                 self._send_to(member, "gossip", {"updates": []})

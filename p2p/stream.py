@@ -120,3 +120,8 @@ class Assembler:
     def in_progress(self) -> int:
         """Streams started and not finished."""
         return len(self._streams)
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory held for the streams in progress (their whole messages, allocated at chunk 0)."""
+        return sum(stream.first.total for stream in list(self._streams.values()))

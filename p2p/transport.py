@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
 _HOUSEKEEPING_S = 1.0
+_FLUSH_MS = 10
 MAX_STREAMS_PER_PEER = 4  # streams waiting for one peer's socket; more drop the oldest
 
 
@@ -368,6 +369,8 @@ class Transport:
     def _turn(self, router: zmq.Socket[bytes]) -> None:
         """One pass of the loop: wait for input or the next tick, then handle what is due."""
         due_ms = int((min(self._next_tick, self._next_housekeeping, self._stop_at) - time.monotonic()) * 1000)
+        if self.connections.waiting:  # messages wait for a connection to come up: look again soon
+            due_ms = min(due_ms, _FLUSH_MS)
         events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
         if router in events:
             self._drain(router)
@@ -379,6 +382,8 @@ class Transport:
         for target in [t for t in self._streams if self._socket_of(t) in events]:
             self._guarded("stream", lambda target=target: self._feed(target))  # type: ignore[misc]
         self._run_commands()
+        for _ in range(self.connections.flush()):
+            self.stats.drop("peer_unreachable_or_full")
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = min((self._tick(s, now) for s in self._service_list), default=now + 1.0)
@@ -475,14 +480,7 @@ class Transport:
 
     def _send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
         targets = self.connections.targets(address, key)
-        sent = 0
-        for target in targets:
-            connection = self.connections.get(target, verified=member)
-            try:
-                connection.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                sent += 1
-            except zmq.Again:
-                continue
+        sent = sum(self.connections.send(target, frames, verified=member) for target in targets)
         if not targets:
             self.stats.drop("untrusted_key")
         elif not sent:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import addresses, raw_dealer, started_peers, started_transport, wait_until
-from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port, resident_bytes
+from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port
 from test_security import curve_for, curve_peers, make_keys
 
 import p2p.connections
@@ -295,40 +295,42 @@ def test_the_daemons_inbox_rejects_kinds_nobody_reads() -> None:
         peer.close()
 
 
-def _first_chunks(receiver: Transport, senders: list[str], nbytes: int) -> None:
-    """From each sender, the first 4 MB chunk of a stream that never goes on."""
+def _first_chunks(receiver: Transport, senders: list[str], chunk_bytes: int) -> None:
+    """From each sender, the first chunk of a stream of two that never goes on (as from a
+    sender killed mid-stream); returns once the receiver has read them all."""
+    heard = receiver.stats.bytes_received
     with dealers(senders, receiver.address) as sockets:
         for sender, raw in zip(senders, sockets, strict=True):
             chunks = encode_chunks(
                 kind="params",
                 sender=sender,
                 round=0,
-                tensors=[np.ones(nbytes // 4, np.float32)],
+                tensors=[np.ones(chunk_bytes // 2, np.float32)],
                 seqs=itertools.count(1),
-                chunk_bytes=4 << 20,
+                chunk_bytes=chunk_bytes,
             )
             raw.send_multipart(chunks[0])
+        expected = heard + len(senders) * chunk_bytes
+        assert wait_until(lambda: receiver.stats.bytes_received >= expected, 30)
 
 
 def test_unfinished_streams_are_forgotten_and_their_memory_freed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item 8: eight made-up senders each send the first chunk of a stream, and no more (as a
-    sender killed mid-stream does)."""
+    """Item 8: eight made-up senders each send the first 4 MB chunk of an 8 MB stream, and no
+    more (as a sender killed mid-stream does)."""
     monkeypatch.setattr(p2p.stream, "IDLE_S", 1.0, raising=False)
     with started_transport("rx", inbox_kinds={"params"}) as receiver:
-        baseline = resident_bytes()
-        _first_chunks(receiver, [f"ghost-{i}" for i in range(8)], 8 << 20)
-        assert wait_until(
-            lambda: receiver.stats.messages_received == 0 and receiver._assembler.in_progress == 8, 10
-        )
-        assert resident_bytes() > baseline + (24 << 20)  # 8 x 4 MB written into place
-        assert wait_until(lambda: receiver._assembler.in_progress == 0, 10)
-        assert wait_until(lambda: resident_bytes() < baseline + (8 << 20), 5)
+        _first_chunks(receiver, [f"ghost-{i}" for i in range(8)], 4 << 20)
+        assembler = receiver._assembler
+        assert wait_until(lambda: assembler.in_progress == 8, 5) and assembler.held_bytes == 8 * (8 << 20)
+        assert wait_until(lambda: assembler.in_progress == 0, 10)
+        assert assembler.held_bytes == 0 and receiver.stats.messages_received == 0
 
 
-def test_a_node_receives_a_bounded_number_of_streams_at_once() -> None:
+def test_a_node_receives_a_bounded_number_of_streams_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p2p.stream, "IDLE_S", 300.0)  # (none may expire while the test runs)
     with started_transport("rx", inbox_kinds={"params"}) as receiver:
-        _first_chunks(receiver, [f"ghost-{i}" for i in range(p2p.stream.MAX_STREAMS + 4)], 8 << 20)
-        assert wait_until(lambda: receiver.stats.rejected == {"too_many_streams": 4}, 20)
+        _first_chunks(receiver, [f"ghost-{i}" for i in range(p2p.stream.MAX_STREAMS + 4)], 64 << 10)
+        assert wait_until(lambda: receiver.stats.rejected == {"too_many_streams": 4}, 10)
         assert receiver._assembler.in_progress == p2p.stream.MAX_STREAMS
 
 
