@@ -149,9 +149,8 @@ def test_the_installed_distribution_has_only_its_own_top_level_names(installed: 
     packages = {
         p.parent.relative_to(installed).as_posix() for p in (installed / "gossipmesh").rglob("__init__.py")
     }
-    assert packages == {
-        f"gossipmesh{sub}" for sub in ("", "/cli", "/config", "/daemon", "/integrations", "/mesh", "/sim", "/tasks")
-    }
+    subpackages = ("cli", "config", "daemon", "integrations", "mesh", "sim", "tasks")
+    assert packages == {"gossipmesh", *(f"gossipmesh/{sub}" for sub in subpackages)}
 
 
 @pytest.mark.mesh
