@@ -20,5 +20,9 @@ def spawn() -> Iterator[SpawnContext]:
 
 @pytest.fixture
 def no_other_threads() -> None:
-    """A mesh forks its nodes from this process: no other thread may hold a lock then."""
+    """A mesh forks its nodes from this process: no other thread may hold a lock then. A thread
+    an earlier test asked to stop may still be finishing on a busy machine: it gets 30 s."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread():
+            thread.join(30)
     assert threading.active_count() == 1, [t.name for t in threading.enumerate()]
