@@ -155,6 +155,8 @@ class Membership:
         self._clock = clock
         self._table = MemberTable()
         key = transport.curve.keys.public.decode() if transport.curve is not None else ""
+        # the address is known once the transport is bound: set by the first tick (``_start``),
+        # which the transport runs before anything else reaches this service
         self._me = Member(
             transport.node_id, "tcp://0.0.0.0:0", new_session(), 0, Status.ALIVE, first_round, key=key
         )

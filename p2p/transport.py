@@ -19,7 +19,8 @@ receiver copies each chunk into place as it comes (``p2p.stream``). No ZeroMQ me
 ``p2p.wire.MAX_CHUNK_BYTES``, which bounds what a peer can make a node buffer before checks.
 
 Protocol services (membership, later failure detection) run on the network thread too: they
-consume the message kinds they declare and get a periodic tick.
+consume the message kinds they declare and get a periodic tick, the first once the socket is
+bound and before any message, reader or command (membership learns its address there).
 
 Whatever one message, command or tick raises ends that message, command or tick (counted: a
 rejection ``handler_error``, or a drop ``command_failed`` / ``tick_failed``), never the thread.
@@ -90,7 +91,8 @@ class Service(Protocol):
         """Handle one message of a kind in ``kinds``."""
 
     def on_tick(self, now: float) -> float:
-        """Periodic work; returns the monotonic time of the next wanted tick."""
+        """Periodic work; returns the monotonic time of the next wanted tick. The first tick
+        comes before anything else reaches the service."""
 
 
 @dataclass
@@ -357,6 +359,7 @@ class Transport:
         poller.register(self._wake_r, zmq.POLLIN)
         for fd in self._readers:
             poller.register(fd, zmq.POLLIN)
+        self._tick_services(time.monotonic())
         self._started.set()
         try:
             while time.monotonic() < self._stop_at:
@@ -386,11 +389,14 @@ class Transport:
             self.stats.drop("peer_unreachable_or_full")
         now = time.monotonic()
         if now >= self._next_tick:
-            self._next_tick = min((self._tick(s, now) for s in self._service_list), default=now + 1.0)
+            self._tick_services(now)
         if now >= self._next_housekeeping:
             self.connections.expire(now)
             self._assembler.expire(now)
             self._next_housekeeping = now + _HOUSEKEEPING_S
+
+    def _tick_services(self, now: float) -> None:
+        self._next_tick = min((self._tick(s, now) for s in self._service_list), default=now + 1.0)
 
     def _tick(self, service: Service, now: float) -> float:
         try:
