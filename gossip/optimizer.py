@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +25,14 @@ from gossip.averager import RoundStats
 from gossip.compression import Codec
 from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
+from gossip.live_state import LiveState
 from gossip.network import PeerNetwork
 from gossip.outer import OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.robust import RobustRule
-from gossip.state import Snapshot, StateServer, StateTransferError, fetch_snapshot
+from gossip.state import Snapshot, StateTransferError, whole
+from gossip.state_fetch import TransferStats, fetch_state
+from gossip.state_server import StateServer
 from topologies import Topology
 
 DPSGD_ALGORITHM = Algorithm("dpsgd")
@@ -159,7 +162,16 @@ class GossipOptimizer(torch.optim.Optimizer):
         )
         self._rounds_at_start = 0
         self._started: float | None = None
-        self._state_server = StateServer(peer, self.snapshot)
+        self._state = LiveState(
+            self.flat,
+            self._params,
+            optimizer,
+            self._lock,
+            self._counters,
+            background=self.averager.mixes_in_background,
+        )
+        self._state_server = StateServer(peer, self._state)
+        self.last_transfer: TransferStats | None = None  # how this node's state arrived, if it joined
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The wrapped optimizer's step (with ``closure``, as torch's), then a gossip round when
@@ -182,6 +194,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         if round_due:
             with self.phases.round():
                 self._gossip()
+        self._state_server.poll()
         return loss
 
     def _gossip(self) -> None:
@@ -214,8 +227,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             self._before_mixing = None
 
     def close(self) -> None:
-        """Stop the algorithm's background work (call when training ends)."""
+        """Stop the algorithm's background work and answering newcomers (call when training ends)."""
         self.averager.close()
+        self._state_server.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -291,17 +305,16 @@ class GossipOptimizer(torch.optim.Optimizer):
     # -- joining a running mesh ---------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        """The training state a newcomer needs: parameters, optimizer buffers, counters."""
-        with self._lock:
-            if not self.averager.mixes_in_background:  # else the host copy is the newer one
-                self.flat.copy_to_host()
-            tensors = {"params": self.flat.array.copy(), **self._optimizer_buffers()}
-        counters = {
+        """The training state a newcomer needs (parameters, optimizer buffers, counters), whole:
+        a checkpoint's. Newcomers are served from the live state, a chunk at a time."""
+        return whole(self._state)
+
+    def _counters(self) -> dict[str, float]:
+        return {
             "local_steps": self.local_steps,
             "round": self.averager.round,
             "rounds_per_s": round(self.rounds_per_s, 3),
         }
-        return Snapshot(tensors, counters)
 
     def restore(self, snapshot: Snapshot) -> None:
         """Load a snapshot from another node (validated against this model first)."""
@@ -309,12 +322,16 @@ class GossipOptimizer(torch.optim.Optimizer):
         if "params" not in snapshot.tensors:
             raise StateTransferError("the snapshot has no parameters")
         for name, array in snapshot.tensors.items():
-            if name != "params" and not name.startswith("optimizer."):
+            if name.startswith("scalar."):
+                expected = np.empty(len(self._params), np.float64)  # one value a parameter
+            elif name == "params" or name.startswith("optimizer."):
+                expected = reference
+            else:
                 raise StateTransferError(f"unknown snapshot tensor {name!r}")
-            if array.shape != reference.shape or array.dtype != reference.dtype:
+            if array.shape != expected.shape or array.dtype != expected.dtype:
                 raise StateTransferError(
                     f"snapshot {name} is {array.dtype}{list(array.shape)}; this model needs "
-                    f"{reference.dtype}{list(reference.shape)}"
+                    f"{expected.dtype}{list(expected.shape)}"
                 )
         with self._lock:
             np.copyto(reference, snapshot.tensors["params"])
@@ -322,29 +339,32 @@ class GossipOptimizer(torch.optim.Optimizer):
             for name, array in snapshot.tensors.items():
                 if name.startswith("optimizer."):
                     self._load_optimizer_buffer(name.removeprefix("optimizer."), array)
+                elif name.startswith("scalar."):
+                    self._load_optimizer_scalar(name.removeprefix("scalar."), array)
         self.local_steps = int(snapshot.counters.get("local_steps", 0))
 
-    def serve_state(self) -> int:
-        """Answer newcomers' state requests waiting in the inbox (within ``gossip.state``'s
-        limits); never blocks."""
-        return self._state_server.serve()
+    def serve_state(self, wait: float = 0.0) -> int:
+        """Answer newcomers' state requests waiting in the inbox (the first for up to ``wait``
+        s), within ``gossip.state_server``'s limits; :meth:`step` does this by itself."""
+        return self._state_server.serve(wait)
 
     def join_from(
         self,
-        source: str,
+        sources: Sequence[str],
         *,
         timeout: float,
         patience_s: float = math.inf,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> int:
-        """Take ``source``'s state unless this node has trained at least as far (one resumed
-        from its own checkpoint), start a few rounds ahead of it (time for the mesh to hear),
-        announce that round and return it. Raises StateTransferError (see
-        ``gossip.state.fetch_snapshot`` for ``patience_s`` and ``cancelled``)."""
+        """Take the state of ``sources`` (chunks from all of them at once) unless this node
+        has trained at least as far (one resumed from its own checkpoint), start a few rounds
+        ahead (time for the mesh to hear), announce that round and return it. Raises
+        StateTransferError (see ``gossip.state_fetch`` for ``patience_s`` and ``cancelled``);
+        :attr:`last_transfer` says how it went."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
-        snapshot = fetch_snapshot(
+        snapshot, self.last_transfer = fetch_state(
             self.peer,
-            source,
+            sources,
             timeout=timeout,
             max_bytes=max_bytes,
             patience_s=patience_s,
@@ -361,20 +381,16 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.peer.start_at_round(first_round)
         return first_round
 
-    def _optimizer_buffers(self) -> dict[str, np.ndarray]:
-        """Per-parameter optimizer tensors (momentum, Adam's moments...) as flat arrays."""
-        buffers: dict[str, np.ndarray] = {}
-        keys = {k for p in self._params for k, v in self.optimizer.state.get(p, {}).items() if _like(v, p)}
-        for key in sorted(keys):
-            dtype = self.flat.vector_dtype  # (a bfloat16 moment widens exactly)
-            parts = [
-                self.optimizer.state[p][key].detach().reshape(-1).to("cpu", dtype).numpy()
-                if key in self.optimizer.state.get(p, {})
-                else np.zeros(p.numel(), dtype=self.flat.array.dtype)
-                for p in self._params
-            ]
-            buffers[f"optimizer.{key}"] = np.concatenate(parts)
-        return buffers
+    def _load_optimizer_scalar(self, key: str, values: np.ndarray) -> None:
+        """One value a parameter (Adam's step count), as torch's optimizers keep it: a 0-d
+        tensor of the scalar dtype, on the parameter's device where the step runs there."""
+        scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        on_device = {
+            id(p) for g in self.param_groups if g.get("capturable") or g.get("fused") for p in g["params"]
+        }
+        for param, value in zip(self._params, values.tolist(), strict=True):
+            device = param.device if id(param) in on_device else torch.device("cpu")
+            self.optimizer.state[param][key] = torch.tensor(value, dtype=scalar_dtype, device=device)
 
     def _load_optimizer_buffer(self, key: str, flat: np.ndarray) -> None:
         offset = 0
@@ -382,7 +398,3 @@ class GossipOptimizer(torch.optim.Optimizer):
             part = torch.from_numpy(flat[offset : offset + param.numel()].copy()).view_as(param)
             self.optimizer.state[param][key] = part.to(param.device, param.dtype)
             offset += param.numel()
-
-
-def _like(value: object, param: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == param.shape

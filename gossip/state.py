@@ -1,43 +1,59 @@
-"""Joining with state: a newcomer pulls a live member's training state before it trains.
+"""Joining with state: what a newcomer takes from live members before it trains, and the
+protocol it travels in.
 
-Without it a new node would average random weights into the mesh. The state (flat parameters,
-optimizer buffers, step and round counters) travels as ``state_chunk`` messages of at most
-``chunk_bytes`` each, so a large model never needs one huge message; the first chunk carries the
-versioned layout, and the receiver checks every chunk and the whole against it (sizes, dtypes,
-shapes, finiteness, counters in range) before any of it touches the model.
+Without it a new node would average random weights into the mesh. A node's state is a list of
+named flat arrays (parameters, optimizer buffers) plus counters (steps, round, rounds per
+second). It travels as a byte stream, the arrays one after the other:
 
-A request costs its source a copy of the whole state: a source answers only members, each at
-most once per ``RETRY_S / 2`` (a joiner asks again every ``RETRY_S`` while it waits), and at
-most ``MAX_TRANSFERS`` transfers per ``RETRY_S`` in all, so no peer can make it copy and queue
-more than that however many requests it sends.
+- the newcomer asks a source for its *manifest* (``state_request`` with ``manifest``); the source
+  answers ``state_manifest``: the versioned layout (name, dtype, shape of each array), the
+  counters and the total size;
+- the newcomer then pulls the stream in chunks of ``chunk_bytes`` (``state_request`` with
+  ``chunks``: the indices it wants), each answered by one ``state_chunk``. Credits bound what
+  is in flight: a request says how many chunks the newcomer has settled (received, or given up
+  on) from that source, and a source sends no more than ``MAX_WINDOW`` chunks beyond that, so
+  it never queues more than its send window against the connection (``gossip.state_server``);
+- chunks are kept as they arrive, so a stalled source costs only the chunks it still owed,
+  asked of another source or again, never a restart; with several sources the chunks are
+  spread over them (``gossip.state_fetch``).
+
+A source reads each chunk from its live state when asked (it holds no copy of the whole state),
+so the stream is not one instant's state: each chunk is the source's values at the moment it
+was read, and with several sources each chunk is one member's. Gossip keeps members close, and
+the newcomer's first rounds average it further: this is the state a newcomer needs, at the
+link's speed, for the memory of a send window. The counters are those of the first source
+whose manifest arrived; a source whose layout differs from it is not used.
+
+The receiver checks the manifest (version, sizes, dtypes, counters in range) before it
+allocates anything and every chunk against it, and the whole for finite values before any of
+it touches the model.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
-import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from gossip.network import PeerNetwork
-from gossip.vector import all_finite
+from gossip.vector import BFLOAT16, all_finite
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 REQUEST = "state_request"
+MANIFEST = "state_manifest"
 CHUNK = "state_chunk"
-KINDS = (CHUNK,)
+KINDS = (MANIFEST, CHUNK)  # what a newcomer receives
 CHUNK_BYTES = 1 << 20
-RETRY_S = 3.0  # a transfer with no chunk for this long is asked for again (a lost request or answer)
-MAX_TRANSFERS = 2  # state transfers a source starts per RETRY_S, to all requesters together
+MIN_CHUNK_BYTES = 256  # a source refuses smaller chunks: a message per few bytes
+MAX_CHUNK_BYTES = 8 << 20
+WINDOW = 16  # chunks a newcomer keeps requested and not yet received, per source
+MAX_WINDOW = 32  # chunks a source sends beyond what the requester has settled (its send queue is 64)
 MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exact as floats
-POLL_S = 0.25  # how often a fetch looks whether it was cancelled
-REASK_S = 0.5  # a first request that brought nothing this soon is sent once more
-_DTYPES = ("float16", "float32", "float64", "int64")
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64")
+
+Counters = Mapping[str, float]
 
 
 class StateTransferError(RuntimeError):
@@ -45,174 +61,115 @@ class StateTransferError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Entry:
+    """One array of a state: its name, dtype and shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    def wire(self) -> list[Any]:
+        return [self.name, self.dtype.name, list(self.shape)]
+
+
+class StateView(Protocol):
+    """A state as a source serves it: its layout and counters now, and any byte range of the
+    stream read when asked (a copy: it goes on the wire while training changes the state)."""
+
+    def manifest(self) -> tuple[Sequence[Entry], Counters]: ...
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``start:stop`` of the arrays one after the other, as a new uint8 array."""
+        ...
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """Named flat arrays plus counters (``step``, ``round``, ``rounds_per_s``...)."""
+    """Named arrays plus counters (``local_steps``, ``round``, ``rounds_per_s``...): a state
+    received whole, a checkpoint's, or one to serve as it is (a ``StateView``)."""
 
     tensors: Mapping[str, np.ndarray]
-    counters: Mapping[str, float]
+    counters: Counters
+
+    def manifest(self) -> tuple[Sequence[Entry], Counters]:
+        return [Entry(n, a.dtype, a.shape) for n, a in self.tensors.items()], self.counters
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return read_bytes([np.ascontiguousarray(a).reshape(-1) for a in self.tensors.values()], start, stop)
 
 
-class StateServer:
-    """Answers newcomers' state requests between training steps (never blocks), within the
-    limits in the module docstring; ``refused`` counts the requests it let go, by reason."""
-
-    def __init__(
-        self, peer: PeerNetwork, take_snapshot: Callable[[], Snapshot], chunk_bytes: int = CHUNK_BYTES
-    ) -> None:
-        self._peer = peer
-        self._take_snapshot = take_snapshot
-        self._chunk_bytes = chunk_bytes
-        self._answered: dict[str, float] = {}  # requester -> when (peer.now() s)
-        self._recent: deque[float] = deque()  # when the last transfers started
-        self.refused: Counter[str] = Counter()
-
-    def serve(self) -> int:
-        """Answer the requests waiting in the inbox; returns how many were answered."""
-        served, snapshot = 0, None
-        while (request := self._peer.recv(0, (REQUEST,))) is not None:
-            transfer, now = request.meta.get("transfer"), self._peer.now()
-            reason = self._refusal(request.sender, transfer, now)
-            if reason is not None:
-                self.refused[reason] += 1
-                continue
-            assert type(transfer) is int  # (checked by _refusal)
-            snapshot = snapshot or self._take_snapshot()  # one copy for the requests answered together
-            send_snapshot(self._peer, request.sender, transfer, snapshot, self._chunk_bytes)
-            self._answered[request.sender] = now
-            self._recent.append(now)
-            served += 1
-        return served
-
-    def _refusal(self, requester: str, transfer: Any, now: float) -> str | None:
-        while self._recent and self._recent[0] <= now - RETRY_S:
-            self._recent.popleft()
-        members = self._peer.members()
-        for gone in self._answered.keys() - members:
-            del self._answered[gone]
-        if type(transfer) is not int:
-            return "malformed"
-        if requester not in members:
-            return "not_a_member"
-        if now - self._answered.get(requester, -math.inf) < RETRY_S / 2:
-            return "too_soon"
-        if len(self._recent) >= MAX_TRANSFERS:
-            return "busy"
-        return None
+def read_bytes(arrays: Sequence[np.ndarray], start: int, stop: int) -> np.ndarray:
+    """Bytes ``start:stop`` of flat ``arrays`` one after the other, as a new uint8 array."""
+    out, offset, filled = np.empty(stop - start, np.uint8), 0, 0
+    for array in arrays:
+        raw = array.view(np.uint8)
+        lo, hi = max(start - offset, 0), min(stop - offset, raw.size)
+        if lo < hi:
+            out[filled : filled + hi - lo] = raw[lo:hi]
+            filled += hi - lo
+        offset += raw.size
+    if filled != out.size:
+        raise ValueError(f"bytes {start}:{stop} are beyond the state's {offset}")
+    return out
 
 
-def send_snapshot(peer: PeerNetwork, to: str, transfer: int, snapshot: Snapshot, chunk_bytes: int) -> None:
-    arrays = [np.ascontiguousarray(a) for a in snapshot.tensors.values()]
-    payload = (
-        np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays]) if arrays else np.empty(0, np.uint8)
-    )
-    layout = [[name, a.dtype.name, list(a.shape)] for name, a in zip(snapshot.tensors, arrays, strict=True)]
-    count = max(1, math.ceil(payload.size / chunk_bytes))
-    for index in range(count):
-        meta: dict[str, Any] = {
-            "transfer": transfer,
-            "index": index,
-            "count": count,
-            "version": STATE_VERSION,
-        }
-        if index == 0:
-            meta.update(layout=layout, counters=dict(snapshot.counters), total=int(payload.size))
-        piece = payload[index * chunk_bytes : (index + 1) * chunk_bytes]
-        peer.send(to, CHUNK, 0, [piece], meta)
+def whole(view: StateView) -> Snapshot:
+    """All of ``view`` at once (a checkpoint's state)."""
+    entries, counters = view.manifest()
+    return Snapshot(split(entries, view.read(0, sum(entry.nbytes for entry in entries))), dict(counters))
 
 
-def fetch_snapshot(
-    peer: PeerNetwork,
-    source: str,
-    *,
-    timeout: float,
-    max_bytes: int,
-    chunk_bytes: int = CHUNK_BYTES,
-    retry_s: float = RETRY_S,
-    patience_s: float = math.inf,
-    cancelled: Callable[[], bool] = lambda: False,
-) -> Snapshot:
-    """Ask ``source`` for its state and reassemble it; raises StateTransferError (also when
-    ``cancelled()`` turns true: it is asked every ``POLL_S``).
-
-    A request that brings nothing within ``REASK_S`` is sent once more (the first is often
-    lost: sent before this node's connection to the source was up, or before the source knew
-    of this node; a source answers one request per requester per ``RETRY_S / 2``, so never
-    both). A transfer that stalls for ``retry_s`` (a request or chunk lost, e.g. to a
-    connection the source still had to this node's previous incarnation) is asked for again
-    under a new id, and chunks of the earlier one are ignored from then on. A source that sends
-    nothing for ``patience_s`` is given up (the caller may try another)."""
-    started = time.monotonic()
-    deadline = started + min(timeout, patience_s)
-    assembly: _Assembly | None = None
-    transfer, stalls_at, reask_at = 0, -math.inf, math.inf
-    while assembly is None or not assembly.complete:
-        now = time.monotonic()
-        if cancelled():
-            raise StateTransferError(f"state from {source}: cancelled")
-        if now >= deadline:
-            got = "nothing" if assembly is None else f"{assembly.received} of {assembly.count} chunks"
-            why = f"within {timeout:g} s" if now >= started + timeout else f"(silent for {patience_s:g} s)"
-            raise StateTransferError(f"state from {source}: {got} {why}")
-        if now >= stalls_at:
-            transfer, assembly = secrets.randbits(62), None
-            peer.send(source, REQUEST, 0, meta={"transfer": transfer})
-            stalls_at, reask_at = now + retry_s, now + REASK_S
-        elif now >= reask_at and assembly is None:
-            peer.send(source, REQUEST, 0, meta={"transfer": transfer})
-            reask_at = math.inf
-        message = peer.recv(min(deadline, stalls_at, reask_at, now + POLL_S) - now, KINDS)
-        if message is None or message.sender != source or message.meta.get("transfer") != transfer:
-            continue
-        stalls_at = time.monotonic() + retry_s
-        deadline = min(started + timeout, stalls_at - retry_s + patience_s)
-        meta = message.meta
-        if assembly is None:
-            assembly = _Assembly.start(meta, max_bytes, chunk_bytes, source)
-        assembly.add(meta, message.tensors, source)
-    return assembly.snapshot(source)
+def split(entries: Sequence[Entry], raw: np.ndarray) -> dict[str, np.ndarray]:
+    """The arrays of the byte stream ``raw`` (views of it)."""
+    tensors, offset = {}, 0
+    for entry in entries:
+        tensors[entry.name] = raw[offset : offset + entry.nbytes].view(entry.dtype).reshape(entry.shape)
+        offset += entry.nbytes
+    return tensors
 
 
-@dataclass
-class _Assembly:
-    """A transfer being received: the layout from chunk 0, a buffer the chunks fill."""
+@dataclass(frozen=True)
+class Manifest:
+    """A source's answer to a manifest request, checked."""
 
-    count: int
-    layout: list[tuple[str, np.dtype, tuple[int, ...]]]
+    entries: tuple[Entry, ...]
     counters: dict[str, float]
-    buffer: np.ndarray
-    chunk_bytes: int
-    seen: set[int]
+    total: int
 
-    @property
-    def received(self) -> int:
-        return len(self.seen)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.seen) == self.count
+    def chunks(self, chunk_bytes: int) -> int:
+        return max(1, math.ceil(self.total / chunk_bytes))
 
     @classmethod
-    def start(cls, meta: Mapping[str, Any], max_bytes: int, chunk_bytes: int, source: str) -> _Assembly:
-        def bad(why: str) -> StateTransferError:
-            return StateTransferError(f"state from {source} rejected: {why}")
+    def message(cls, entries: Sequence[Entry], counters: Counters, transfer: int) -> dict[str, Any]:
+        """The manifest message's meta."""
+        return {
+            "transfer": transfer,
+            "version": STATE_VERSION,
+            "layout": [entry.wire() for entry in entries],
+            "counters": dict(counters),
+            "total": sum(entry.nbytes for entry in entries),
+        }
 
+    @classmethod
+    def parse(cls, meta: Mapping[str, Any], max_bytes: int) -> Manifest:
+        """Raises ValueError with what is wrong."""
         if meta.get("version") != STATE_VERSION:
-            raise bad(f"version {meta.get('version')!r}, this node reads {STATE_VERSION}")
-        if meta.get("index") != 0:
-            raise bad("the first chunk to arrive must be chunk 0 (chunks are sent in order)")
-        total, count, raw_layout, counters = (meta.get(k) for k in ("total", "count", "layout", "counters"))
+            raise ValueError(f"version {meta.get('version')!r}, this node reads {STATE_VERSION}")
+        total, raw_layout, counters = (meta.get(k) for k in ("total", "layout", "counters"))
         if type(total) is not int or not 0 <= total <= max_bytes:
-            raise bad(f"total size {total!r} is not in 0..{max_bytes}")
-        if type(count) is not int or count != max(1, math.ceil(total / chunk_bytes)):
-            raise bad(f"{count!r} chunks do not fit {total} bytes in chunks of {chunk_bytes}")
+            raise ValueError(f"total size {total!r} is not in 0..{max_bytes}")
         if not isinstance(counters, dict) or not all(
             isinstance(k, str) and type(v) in (int, float) and 0 <= v <= MAX_COUNTER
             for k, v in counters.items()
         ):
-            raise bad(f"counters must map names to numbers in 0..{MAX_COUNTER}")
-        layout = []
+            raise ValueError(f"counters must map names to numbers in 0..{MAX_COUNTER}")
         if not isinstance(raw_layout, list):
-            raise bad("no layout")
+            raise ValueError("no layout")
+        entries = []
         for entry in raw_layout:
             if (
                 not isinstance(entry, list)
@@ -222,32 +179,55 @@ class _Assembly:
                 or not isinstance(entry[2], list)
                 or not all(type(d) is int and d >= 0 for d in entry[2])
             ):
-                raise bad(f"bad layout entry {entry!r}")
-            layout.append((entry[0], np.dtype(entry[1]), tuple(entry[2])))
-        if sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout) != total:
-            raise bad("the layout does not add up to the total size")
-        return cls(count, layout, dict(counters), np.empty(total, np.uint8), chunk_bytes, set())
+                raise ValueError(f"bad layout entry {shown(entry)}")
+            dtype = BFLOAT16 if entry[1] == "bfloat16" else np.dtype(entry[1])
+            entries.append(Entry(entry[0], dtype, tuple(entry[2])))
+        if sum(entry.nbytes for entry in entries) != total:
+            raise ValueError("the layout does not add up to the total size")
+        return cls(tuple(entries), dict(counters), total)
 
-    def add(self, meta: Mapping[str, Any], tensors: Any, source: str) -> None:
-        index = meta.get("index")
-        if type(index) is not int or not 0 <= index < self.count or index in self.seen or len(tensors) != 1:
-            raise StateTransferError(f"state from {source} rejected: bad or repeated chunk {index!r}")
+
+class Assembly:
+    """A state being received: a buffer of the manifest's size that chunks fill, in any order."""
+
+    def __init__(self, manifest: Manifest, chunk_bytes: int) -> None:
+        self.manifest = manifest
+        self.chunk_bytes = chunk_bytes
+        self.count = manifest.chunks(chunk_bytes)
+        self.buffer = np.empty(manifest.total, np.uint8)
+        self.seen: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == self.count
+
+    def add(self, index: Any, tensors: Sequence[np.ndarray]) -> bool:
+        """Put chunk ``index`` in place; False for one already in. Raises ValueError for a
+        chunk that is not one of this state's."""
+        if type(index) is not int or not 0 <= index < self.count or len(tensors) != 1:
+            raise ValueError(f"bad chunk {shown(index)}")
+        if index in self.seen:
+            return False
         start = index * self.chunk_bytes
         expected = min(self.chunk_bytes, self.buffer.size - start)
         piece = tensors[0]
-        if piece.dtype != np.uint8 or piece.size != expected:
-            raise StateTransferError(f"state from {source} rejected: chunk {index} has the wrong size")
+        if piece.dtype != np.uint8 or piece.shape != (expected,):
+            raise ValueError(f"chunk {index} has the wrong size")
         self.buffer[start : start + expected] = piece
         self.seen.add(index)
+        return True
 
-    def snapshot(self, source: str) -> Snapshot:
-        tensors: dict[str, np.ndarray] = {}
-        offset = 0
-        for name, dtype, shape in self.layout:
-            size = dtype.itemsize * math.prod(shape)
-            array = self.buffer[offset : offset + size].view(dtype).reshape(shape)
-            if array.dtype.kind == "f" and not all_finite(array):
-                raise StateTransferError(f"state from {source} rejected: {name} has NaN or infinite values")
-            tensors[name] = array
-            offset += size
-        return Snapshot(tensors, self.counters)
+    def snapshot(self) -> Snapshot:
+        """The whole state; raises ValueError for an array with NaN or infinite values."""
+        tensors = split(self.manifest.entries, self.buffer)
+        for name, array in tensors.items():
+            floats = array.astype(np.float32) if array.dtype == BFLOAT16 else array
+            if floats.dtype.kind == "f" and not all_finite(floats):
+                raise ValueError(f"{name} has NaN or infinite values")
+        return Snapshot(tensors, self.manifest.counters)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A received value in an error message, bounded."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -59,6 +59,8 @@ class NodeRecord:
     shunned_peers: list[str] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a restarted node resumed from
     checkpoint_failures: int = 0  # checkpoints that could not be written (each retried later)
+    # a node that joined a running mesh: bytes, seconds, mb_per_s, chunks per source, reasked
+    state_transfer: dict[str, Any] = field(default_factory=dict)
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None
     shard: dict[str, Any] = field(default_factory=dict)  # partition, examples, examples per label
@@ -76,6 +78,7 @@ class Progress:
     final: dict[str, float] = field(default_factory=dict)  # held-out loss and accuracy at the end
     shard: dict[str, Any] = field(default_factory=dict)
     checkpoint_failures: int = 0  # checkpoints that could not be written (and were tried again)
+    state_transfer: dict[str, Any] = field(default_factory=dict)  # how a joiner's state arrived
 
 
 def node_record(
@@ -107,6 +110,7 @@ def node_record(
         timeline=progress.timeline,
         shard=progress.shard,
         checkpoint_failures=progress.checkpoint_failures,
+        state_transfer=progress.state_transfer,
         bytes_sent=network.bytes_sent if network else last.bytes_sent if last else 0,
         **when,
     )

@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 
 from gossip import CHOCO, DPSGD, SGP
 from gossip.compression import Int8, Sparse
-from gossip.state import CHUNK, REQUEST, Snapshot, StateServer, StateTransferError, _Assembly
-from gossip.state import CHUNK_BYTES as STATE_CHUNK_BYTES
+from gossip.state import CHUNK, MANIFEST, REQUEST, STATE_VERSION, Assembly, Manifest, Snapshot
+from gossip.state_server import StateServer
 from gossipmesh.daemon.peers import MESSAGE_KINDS
 from p2p import Peer
 from p2p.beacon import BEACON_VERSION
@@ -84,6 +84,10 @@ metas = st.fixed_dictionaries(
         "count": ints,
         "total": ints,
         "version": ints,
+        "manifest": st.booleans() | values,
+        "chunks": st.lists(ints, max_size=40) | values,
+        "chunk_bytes": st.sampled_from([256, 1024, 8 << 20]) | ints,
+        "settled": ints,
         "layout": st.lists(
             st.tuples(
                 st.text(max_size=8), st.sampled_from(["float32", "int64", "c8"]), st.lists(ints, max_size=3)
@@ -157,12 +161,15 @@ def _valid_messages(draw: st.DrawFn) -> Input:
         codec = draw(st.sampled_from([Int8(), Sparse("topk", 0.1)]))
         encoded = codec.encode(np.nan_to_num(vector))
         tensors, meta = list(encoded.frames), {**meta, **encoded.meta}
-    elif kind in (REQUEST, CHUNK):
+    elif kind in (REQUEST, MANIFEST, CHUNK):
+        meta.update(transfer=draw(ints), index=draw(st.integers(0, 2) | ints), manifest=draw(st.booleans()))
+        meta.update(chunks=draw(st.lists(st.integers(0, 3) | ints, max_size=40)), settled=draw(ints))
+        meta.update(chunk_bytes=draw(st.sampled_from([256, 1024, SIZE * 4]) | ints))
         meta.update(
-            transfer=draw(ints), index=draw(st.integers(0, 2) | ints), count=draw(st.integers(1, 2) | ints)
-        )
-        meta.update(
-            version=1, total=SIZE * 4, layout=[["params", "float32", [SIZE]]], counters={"round": draw(ints)}
+            version=STATE_VERSION,
+            total=SIZE * 4,
+            layout=[["params", "float32", [SIZE]]],
+            counters={"round": draw(ints)},
         )
         tensors = [vector.view(np.uint8)] if kind == CHUNK else []
     else:
@@ -265,8 +272,8 @@ class FuzzTarget:
         readers.append((frozenset(sgp.kinds), lambda m: (sgp._mix_in(m, 0), sgp._later.clear())))
         choco = CHOCO(peer, np.zeros(SIZE, np.float32), topology=ring, codec=Int8())
         readers.append((frozenset(choco.kinds), choco._take))
-        readers.append((frozenset({CHUNK}), _take_chunk))
-        server = StateServer(peer, lambda: Snapshot({"params": np.zeros(SIZE, np.float32)}, {"round": 1}))
+        readers.append((frozenset({MANIFEST, CHUNK}), _take_state))
+        server = StateServer(peer, Snapshot({"params": np.zeros(SIZE, np.float32)}, {"round": 1}))
         kinds = frozenset().union(*(k for k, _ in readers))
         while not self._stop.is_set():
             try:
@@ -279,13 +286,22 @@ class FuzzTarget:
                 self.errors.append(traceback.format_exc())
 
 
-def _take_chunk(message: Any) -> None:
-    """What a joiner does with a state chunk: start a transfer with it, add it, check the whole."""
-    with contextlib.suppress(StateTransferError):
-        assembly = _Assembly.start(message.meta, 1 << 16, STATE_CHUNK_BYTES, message.sender)
-        assembly.add(message.meta, message.tensors, message.sender)
-        if assembly.complete:
-            assembly.snapshot(message.sender)
+def _take_state(message: Any) -> None:
+    """What a joiner does with a manifest (parse it) or a chunk (add it to a state of the
+    fuzzer's layout, check the whole)."""
+    with contextlib.suppress(ValueError):
+        if message.kind == MANIFEST:
+            Manifest.parse(message.meta, 1 << 16)
+            return
+        layout = {
+            "version": STATE_VERSION,
+            "total": SIZE * 4,
+            "layout": [["params", "float32", [SIZE]]],
+            "counters": {},
+        }
+        assembly = Assembly(Manifest.parse(layout, 1 << 16), SIZE * 4)  # one chunk
+        if assembly.add(message.meta.get("index"), message.tensors):
+            assembly.snapshot()
 
 
 class Fuzzer:

@@ -18,13 +18,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import netns
 import numpy as np
 import zmq
 import zmq.auth
 from wire_fuzz import decodes, hostile_messages
 
 from gossipmesh.daemon.checkpoint import load_newest
+from gossipmesh.mesh import netns
 from gossipmesh.mesh.node_process import NodeProcess
 from node import main
 from p2p.security import NodeKeys, configure_client, keygen

@@ -23,7 +23,8 @@ def test_pure_averaging_reaches_the_exact_average(topology: str) -> None:
     vectors = [rng.standard_normal(1000) + 3.0 for _ in range(n)]
     target = np.mean(vectors, axis=0)
     with started_peers([f"node-{i}" for i in range(n)]) as peers:
-        average_in_threads(peers, vectors, topology=topology, rounds=ROUNDS[topology])
+        # exact only when no round times out: the bound is generous for a busy machine
+        average_in_threads(peers, vectors, topology=topology, rounds=ROUNDS[topology], timeout=60)
     for vector in vectors:
         np.testing.assert_allclose(vector, target, atol=1e-6, rtol=0)
     assert consensus_distance(vectors) < 1e-7

@@ -106,3 +106,28 @@ def test_no_false_deaths_over_two_minutes_of_repeated_pauses(tmp_path: Path) -> 
     assert not [e for e in report["membership_events"] if e["event"] == "dead"]
     assert all(n["status"] == "finished" for n in report["nodes"])
     assert len([c for c in report["chaos_events"] if c["action"] == "pause"]) == 22
+
+
+def test_a_joiner_takes_a_17m_parameter_state_from_several_members(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64-4096-4096-10 MLP: 68 MB of parameters, 137 MB of state with momentum, which the
+    first state transfer could not move at all (every chunk queued at once, most dropped by
+    the full send queue, and the joiner gave up after 60 s)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the task module is beside this test
+    report = run(
+        tmp_path, "--nodes", "3", "--duration", "30", "--join", "1@3", "--task", "wide_digits:make_task"
+    )
+    nodes = nodes_by_id(report)
+    joiner = nodes["node-3"]
+    transfer = joiner["state_transfer"]
+    print(f"state transfer: {transfer}")
+    assert joiner["status"] == "finished" and joiner["steps"] >= 1
+    assert transfer["bytes"] == 2 * 4 * 17_088_522  # parameters and momentum, float32
+    assert sum(transfer["chunks"].values()) == 131 and transfer["dropped_sources"] == {}  # 1 MiB each
+    # it trains from the mesh's model (a fresh one scores ~0.1)
+    first = joiner["timeline"][0]
+    assert (
+        first["accuracy"]
+        >= min(accuracy_at(nodes[f"node-{i}"]["timeline"], first["t"]) for i in range(3)) - 0.1
+    )

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import netns
 import pytest
 from host_mesh import HostMesh
 
 from gossip import consensus_distance
+from gossipmesh.mesh import netns
 
 pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
 

@@ -1,5 +1,6 @@
 """Discovery across real hosts (network namespaces on one LAN): by UDP beacon alone, and by one
-DNS name that resolves to every node (as a Kubernetes headless Service does)."""
+DNS name that resolves to every node (as a Kubernetes headless Service does); a beacon heard
+before a node's first tick."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import netns
 import pytest
+from helpers import wait_until
+from hostile import forge_beacon, free_udp_port
 
+from gossipmesh.mesh import netns
+from p2p import Peer
 from p2p.beacon import parse_beacon
 from p2p.security import keygen
 
@@ -27,6 +31,26 @@ def test_beacons_of_other_meshes_and_garbage_are_ignored() -> None:
     assert parse_beacon(b"\xc1junk", "m") is None
     assert parse_beacon(msgpack.packb({"v": 1, "mesh": "m", "id": "bad id", "address": "x"}), "m") is None
     assert parse_beacon(b"x" * 600, "m") is None
+
+
+def test_a_node_that_hears_a_beacon_as_it_starts_announces_its_real_address() -> None:
+    """A beacon waiting in a's socket is read before a's first tick: the table a sends to b
+    carried a's record with the placeholder address, which b took as that life's address for
+    good (a's real one was then a conflict, and a was declared dead)."""
+    port = free_udp_port()
+    b = Peer("b", "tcp://127.0.0.1:0")
+    a = Peer("a", "tcp://127.0.0.1:0", beacon_port=port)
+    try:
+        b.start()
+        forge_beacon(port, node_id="b", address=b.address)  # b's beacon, in a's socket before a starts
+        a.start()
+        assert wait_until(lambda: b.membership.contact("a") is not None, 20)
+        assert b.membership.contact("a") == (a.address, "")
+        assert wait_until(lambda: a.members() == b.members() == {"a", "b"}, 20)
+        assert b.stats.rejected == {}
+    finally:
+        a.close()
+        b.close()
 
 
 def run_hosts(hosts: list[netns.Host], tmp_path: Path, *flags: str) -> list[dict[str, Any]]:

@@ -147,7 +147,7 @@ def test_meshes_of_every_dtype_reach_the_float32_accuracy(tmp_path: Path, no_oth
 
 def test_a_bfloat16_state_travels_to_a_newcomer_exactly() -> None:
     """Parameters and Adam's moments of a bfloat16 model widen to float32 in the snapshot a
-    joiner takes and narrow back exactly."""
+    joiner takes and narrow back exactly; Adam's step counts come along (float64)."""
     network = MemoryNetwork()
 
     def node(name: str) -> tuple[torch.nn.Module, GossipOptimizer]:
@@ -162,7 +162,9 @@ def test_a_bfloat16_state_travels_to_a_newcomer_exactly() -> None:
         model(inputs.bfloat16()).float().pow(2).mean().backward()
         optimizer.step()
     snapshot = optimizer.snapshot()
-    assert {a.dtype for a in snapshot.tensors.values()} == {np.dtype(np.float32)}
+    assert {n: a.dtype for n, a in snapshot.tensors.items() if a.dtype != np.float32} == {
+        "scalar.step": np.float64
+    }
     newcomer, joined = node("new")
     joined.restore(snapshot)
     for ours, theirs in zip(newcomer.parameters(), model.parameters(), strict=True):
@@ -170,6 +172,7 @@ def test_a_bfloat16_state_travels_to_a_newcomer_exactly() -> None:
         state, reference = joined.state[ours], optimizer.state[theirs]
         assert state["exp_avg"].dtype == torch.bfloat16
         torch.testing.assert_close(state["exp_avg_sq"], reference["exp_avg_sq"], rtol=0, atol=0)
+        torch.testing.assert_close(state["step"], reference["step"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])

@@ -6,7 +6,6 @@ bad source for another (12)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,7 +16,9 @@ from gossip import CHOCO, DPSGD, GossipOptimizer
 from gossip.choco import FULL, FULL_REQUEST, KIND
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
 from gossip.robust import RobustRule
-from gossip.state import REQUEST, Snapshot, StateTransferError, fetch_snapshot, send_snapshot
+from gossip.state import MAX_WINDOW, REQUEST, Snapshot, StateTransferError
+from gossip.state_fetch import fetch_state
+from gossip.state_server import MAX_TRANSFERS, StateServer
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
@@ -111,17 +112,32 @@ def _optimizer(peer: MemoryPeer) -> GossipOptimizer:
     return GossipOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), peer=peer)
 
 
-def test_a_flood_of_state_requests_costs_a_bounded_number_of_snapshots() -> None:
-    """Item 9: 20 requests from one member, then one from each of 5 more."""
+def test_a_flood_of_state_requests_costs_a_bounded_number_of_chunks() -> None:
+    """Item 9: a source copies no state for a request, only the chunks it answers: a member's
+    20 requests for 32 chunks each bring 32 (its window), a non-member's nothing, and past
+    ``MAX_TRANSFERS`` requesters at once the rest wait."""
     network = MemoryNetwork()
     source = _optimizer(network.join("source"))
     asker = network.join("asker")
-    for transfer in range(20):
-        asker.send("source", REQUEST, 0, meta={"transfer": transfer})
-    assert source.serve_state() == 1
-    for i in range(5):
-        network.join(f"other-{i}").send("source", REQUEST, 0, meta={"transfer": i})
-    assert source.serve_state() == 1  # two transfers per RETRY_S in all
+    asker.send("source", REQUEST, 0, meta={"transfer": 7, "manifest": True})
+    for _ in range(20):
+        asker.send("source", REQUEST, 0, meta=_chunks_request(transfer=7))
+    assert source.serve_state() == 21 and source._state_server.chunks_sent == MAX_WINDOW
+    outsider = network.join("outsider")
+    network.leave("outsider")
+    outsider.send("source", REQUEST, 0, meta=_chunks_request(transfer=1))
+    for i in range(MAX_TRANSFERS):
+        other = network.join(f"other-{i}")
+        other.send("source", REQUEST, 0, meta={"transfer": i, "manifest": True})
+        other.send("source", REQUEST, 0, meta=_chunks_request(transfer=i))
+    source.serve_state()
+    refused = source._state_server.refused
+    assert refused["not_a_member"] == 1 and refused["busy"] == 2  # the last one's two requests
+    assert source._state_server.chunks_sent == MAX_WINDOW + (MAX_TRANSFERS - 1) * MAX_WINDOW
+
+
+def _chunks_request(transfer: int) -> dict[str, object]:
+    return {"transfer": transfer, "chunk_bytes": 256, "chunks": [0] * MAX_WINDOW, "settled": 0}
 
 
 def test_a_flood_of_full_copy_requests_costs_one_copy() -> None:
@@ -133,26 +149,16 @@ def test_a_flood_of_full_copy_requests_costs_one_copy() -> None:
     assert choco.full_copies_sent == 1
 
 
-def _answer_with(peer: MemoryPeer, state: Snapshot) -> Callable[[], None]:
-    """What a source that sends ``state`` does with each request."""
-
-    def step() -> None:
-        while (request := peer.recv(0, (REQUEST,))) is not None:
-            send_snapshot(peer, request.sender, request.meta["transfer"], state, 1 << 20)
-
-    return step
-
-
 def test_a_state_with_impossible_counters_is_refused() -> None:
     """Item 12: round 1e300 (the joiner used to announce it, and its network thread died)."""
     network = MemoryNetwork()
     source, newcomer = network.join("source"), network.join("newcomer")
     state = Snapshot({"params": np.zeros(4, np.float32)}, {"round": 1e300})
     with (
-        in_background(_answer_with(source, state)),
-        pytest.raises(StateTransferError, match="counters must map names to numbers"),
+        in_background(StateServer(source, state).serve),
+        pytest.raises(StateTransferError, match="source: counters must map names to numbers"),
     ):
-        fetch_snapshot(newcomer, "source", timeout=5, max_bytes=1 << 20)
+        fetch_state(newcomer, ["source"], timeout=5, max_bytes=1 << 20)
 
 
 def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
@@ -166,7 +172,7 @@ def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
     source.local_steps = 7
     impossible = Snapshot({"params": trainer.optimizer.flat.array.copy()}, {"round": 1e300})
     with (
-        in_background(_answer_with(bad, impossible)),
+        in_background(StateServer(bad, impossible).serve),
         in_background(source.serve_state),
     ):
         assert trainer.join_running_mesh(lambda: False)

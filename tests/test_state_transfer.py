@@ -1,11 +1,13 @@
-"""Joining with state: chunked, versioned, validated snapshots between peers."""
+"""Joining with state: a windowed, resumable pull of chunks from one or several sources."""
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,42 +15,175 @@ import torch
 from helpers import in_background, started_peers, wait_until
 
 from gossip import GossipOptimizer
-from gossip.network import PeerNetwork
+from gossip.network import PeerNetwork, PeerWrapper
 from gossip.state import (
+    CHUNK,
+    MANIFEST,
+    MAX_WINDOW,
+    REQUEST,
     STATE_VERSION,
     Snapshot,
-    StateServer,
     StateTransferError,
-    fetch_snapshot,
-    send_snapshot,
+    StateView,
+    whole,
 )
+from gossip.state_fetch import fetch_state
+from gossip.state_server import StateServer
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import Topology
 
-CHUNK = 300
+CHUNK_BYTES = 300
 
 
 @contextmanager
-def serving(
-    peer: PeerNetwork, take_snapshot: Callable[[], Snapshot], chunk_bytes: int = CHUNK
-) -> Iterator[None]:
+def serving(peer: PeerNetwork, view: StateView) -> Iterator[StateServer]:
     """Answer state requests on a thread, as a training loop does between its steps."""
-    with in_background(StateServer(peer, take_snapshot, chunk_bytes).serve):
-        yield
+    server = StateServer(peer, view)
+    with in_background(server.serve):
+        yield server
 
 
-def test_a_snapshot_crosses_in_many_chunks_and_arrives_whole() -> None:
-    network = MemoryNetwork()
-    server, newcomer = network.join("server"), network.join("newcomer")
-    snapshot = Snapshot(
-        {"params": np.arange(1000, dtype=np.float32), "optimizer.momentum_buffer": np.ones(1000, np.float32)},
+class Lossy(PeerWrapper):
+    """A source's network that loses the chunks ``lose(index)`` says, and counts what it sent."""
+
+    def __init__(self, peer: PeerNetwork, lose: Callable[[int], bool] = lambda _: False) -> None:
+        super().__init__(peer)
+        self.lose = lose
+        self.sent: Counter[int] = Counter()
+
+    def send(
+        self,
+        to: str,
+        kind: str,
+        round: int,
+        tensors: Sequence[np.ndarray] = (),
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        if kind == CHUNK:
+            assert meta is not None
+            self.sent[meta["index"]] += 1
+            if self.lose(meta["index"]):
+                return
+        super().send(to, kind, round, tensors, meta)
+
+
+def _state(seed: int = 0, size: int = 1000) -> Snapshot:
+    rng = np.random.default_rng(seed)
+    return Snapshot(
+        {
+            "params": rng.standard_normal(size).astype(np.float32),
+            "optimizer.momentum_buffer": rng.standard_normal(size).astype(np.float32),
+        },
         {"local_steps": 120, "round": 120, "rounds_per_s": 30.0},
     )
-    with serving(server, lambda: snapshot):  # 8000 bytes: 27 chunks of at most 300
-        received = fetch_snapshot(newcomer, "server", timeout=5, max_bytes=1 << 20, chunk_bytes=CHUNK)
-    np.testing.assert_array_equal(received.tensors["params"], snapshot.tensors["params"])
-    np.testing.assert_array_equal(received.tensors["optimizer.momentum_buffer"], 1.0)
-    assert received.counters == snapshot.counters
+
+
+def _fetch(peer: PeerNetwork, sources: list[str], **options: Any) -> tuple[Snapshot, Any]:
+    return fetch_state(
+        peer, sources, **{"timeout": 10, "max_bytes": 1 << 20, "chunk_bytes": CHUNK_BYTES, **options}
+    )
+
+
+def test_a_state_crosses_in_many_chunks_and_arrives_whole_with_each_chunk_sent_once() -> None:
+    network = MemoryNetwork()
+    source, newcomer = Lossy(network.join("source")), network.join("newcomer")
+    state = _state()
+    with serving(source, state):  # 8000 bytes: 27 chunks of at most 300
+        received, stats = _fetch(newcomer, ["source"], window=4)
+    for name, array in state.tensors.items():
+        np.testing.assert_array_equal(received.tensors[name], array)
+    assert received.counters == state.counters
+    assert set(source.sent) == set(range(27)) and set(source.sent.values()) == {1}
+    assert stats.bytes == 8000 and stats.chunks == {"source": 27} and stats.reasked == 0
+
+
+def test_a_source_sends_no_more_than_its_window_beyond_what_the_requester_settled() -> None:
+    """A requester that asks for everything at once (as the first version of this protocol
+    answered) gets ``MAX_WINDOW`` chunks, and more only as it says it has settled them."""
+    network = MemoryNetwork()
+    source, asker = network.join("source"), network.join("asker")
+    server = StateServer(source, _state(size=100_000))
+    asker.send("source", REQUEST, 0, meta={"transfer": 1, "chunks": [0], "chunk_bytes": 1024, "settled": 0})
+    asker.send("source", REQUEST, 0, meta={"transfer": 1, "manifest": True})
+    server.serve()
+    assert server.chunks_sent == 0 and server.refused["no_manifest"] == 1  # chunks follow a manifest
+    for first in range(0, 4 * MAX_WINDOW, MAX_WINDOW):
+        chunks = list(range(first, first + MAX_WINDOW))
+        asker.send(
+            "source", REQUEST, 0, meta={"transfer": 1, "chunk_bytes": 1024, "chunks": chunks, "settled": 0}
+        )
+    server.serve()
+    assert server.chunks_sent == MAX_WINDOW and server.refused["beyond_window"] == 3
+    settled = {"transfer": 1, "chunk_bytes": 1024, "chunks": [200, 201], "settled": 10}
+    asker.send("source", REQUEST, 0, meta=settled)
+    server.serve()
+    assert server.chunks_sent == MAX_WINDOW + 2
+
+
+def test_chunks_lost_on_the_way_are_asked_again_not_the_whole_state() -> None:
+    """The source's first answer to chunks 5 and 17 is lost: only those two are sent twice."""
+    network = MemoryNetwork()
+    lost: set[int] = set()
+
+    def lose_once(index: int) -> bool:
+        if index in (5, 17) and index not in lost:
+            lost.add(index)
+            return True
+        return False
+
+    source, newcomer = Lossy(network.join("source"), lose_once), network.join("newcomer")
+    state = _state()
+    with serving(source, state):
+        received, stats = _fetch(newcomer, ["source"], window=4, retry_s=0.2)
+    np.testing.assert_array_equal(received.tensors["params"], state.tensors["params"])
+    assert sum(source.sent.values()) == 27 + 2 and source.sent[5] == source.sent[17] == 2
+    assert stats.reasked >= 2
+
+
+def test_several_sources_share_the_chunks_and_a_stalled_one_leaves_its_part_to_the_others() -> None:
+    """Chunks come from both sources; "stalls" stops answering after 5 chunks: what it still
+    owed comes from "steady", nothing already received is fetched again."""
+    network = MemoryNetwork()
+    stalls = Lossy(network.join("stalls"), lose=lambda _: sum(stalls.sent.values()) > 5)
+    steady = Lossy(network.join("steady"))
+    newcomer = network.join("newcomer")
+    state = _state()
+    with serving(stalls, state), serving(steady, state):
+        received, stats = _fetch(newcomer, ["stalls", "steady"], window=4, retry_s=0.3)
+    np.testing.assert_array_equal(
+        received.tensors["optimizer.momentum_buffer"], state.tensors["optimizer.momentum_buffer"]
+    )
+    assert stats.chunks["stalls"] == 5 and stats.chunks["steady"] == 22
+    assert stats.reasked > 0
+
+
+class AfterEvent:
+    """A state whose manifest is given only once ``event`` is set."""
+
+    def __init__(self, state: Snapshot, event: threading.Event) -> None:
+        self.state, self.event = state, event
+
+    def manifest(self) -> Any:
+        assert self.event.wait(10)
+        return self.state.manifest()
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.state.read(start, stop)
+
+
+def test_a_source_whose_layout_differs_from_the_first_manifest_is_not_used() -> None:
+    network = MemoryNetwork()
+    good, other, newcomer = network.join("good"), network.join("other"), network.join("newcomer")
+    state, answered = _state(), threading.Event()
+    good_server, other_server = (
+        StateServer(good, state),
+        StateServer(other, AfterEvent(_state(size=999), answered)),
+    )
+    with in_background(lambda: good_server.serve() and answered.set()), in_background(other_server.serve):
+        received, stats = _fetch(newcomer, ["good", "other"])
+    np.testing.assert_array_equal(received.tensors["params"], state.tensors["params"])
+    assert stats.chunks.keys() == {"good"}
+    assert stats.dropped_sources == {"other": "its layout differs from good's"}
 
 
 @pytest.mark.parametrize(
@@ -64,11 +199,8 @@ def test_bad_state_is_refused_before_it_is_used(
 ) -> None:
     network = MemoryNetwork()
     server, newcomer = network.join("server"), network.join("newcomer")
-    with (
-        serving(server, lambda: Snapshot(tensors, {"round": 1})),
-        pytest.raises(StateTransferError, match=why),
-    ):
-        fetch_snapshot(newcomer, "server", timeout=5, max_bytes=max_bytes, chunk_bytes=CHUNK)
+    with serving(server, Snapshot(tensors, {"round": 1})), pytest.raises(StateTransferError, match=why):
+        _fetch(newcomer, ["server"], max_bytes=max_bytes, timeout=5)
 
 
 def test_a_wrong_version_is_refused() -> None:
@@ -76,48 +208,18 @@ def test_a_wrong_version_is_refused() -> None:
     server, newcomer = network.join("server"), network.join("newcomer")
 
     def answer_in_a_future_format() -> None:
-        request = server.recv(5, ("state_request",))
+        request = server.recv(5, (REQUEST,))
         assert request is not None
-        meta = {"transfer": request.meta["transfer"], "index": 0, "count": 1, "version": STATE_VERSION + 1}
-        server.send("newcomer", "state_chunk", 0, [np.zeros(4, np.uint8)], meta)
+        meta = {**request.meta, "version": STATE_VERSION + 1}
+        server.send("newcomer", MANIFEST, 0, meta=meta)
 
     thread = threading.Thread(target=answer_in_a_future_format)
     thread.start()
     with pytest.raises(
-        StateTransferError, match=f"version {STATE_VERSION + 1}, this node reads {STATE_VERSION}"
+        StateTransferError, match=f"server: version {STATE_VERSION + 1}, this node reads {STATE_VERSION}"
     ):
-        fetch_snapshot(newcomer, "server", timeout=5, max_bytes=1 << 20)
+        fetch_state(newcomer, ["server"], timeout=5, max_bytes=1 << 20)
     thread.join()
-
-
-def test_a_lost_request_is_asked_again_and_a_stale_answer_ignored() -> None:
-    """The source misses the first request (its answer is lost on the way, say); the newcomer
-    asks again and takes only the answer to its newest request, even when the first one's
-    chunks turn up late."""
-    network = MemoryNetwork()
-    server, newcomer = network.join("server"), network.join("newcomer")
-    params = np.arange(1000, dtype=np.float32)
-    requests = []
-
-    def lose_the_first_answer_then_serve() -> None:
-        first = server.recv(5, ("state_request",))
-        assert first is not None
-        requests.append(first.meta["transfer"])
-        second = server.recv(5, ("state_request",))
-        assert second is not None
-        requests.append(second.meta["transfer"])
-        late = Snapshot({"params": np.zeros(1000, np.float32)}, {"round": 1})
-        send_snapshot(server, "newcomer", first.meta["transfer"], late, CHUNK)  # the lost one, late
-        send_snapshot(server, "newcomer", second.meta["transfer"], Snapshot({"params": params}, {}), CHUNK)
-
-    thread = threading.Thread(target=lose_the_first_answer_then_serve)
-    thread.start()
-    snapshot = fetch_snapshot(
-        newcomer, "server", timeout=5, max_bytes=1 << 20, chunk_bytes=CHUNK, retry_s=0.2
-    )
-    thread.join()
-    assert len(set(requests)) == 2
-    np.testing.assert_array_equal(snapshot.tensors["params"], params)
 
 
 def test_fetch_from_a_silent_member_times_out_clearly() -> None:
@@ -125,34 +227,64 @@ def test_fetch_from_a_silent_member_times_out_clearly() -> None:
     network.join("silent")
     newcomer = network.join("newcomer")
     with pytest.raises(StateTransferError, match=re.escape("state from silent: nothing within 0.2 s")):
-        fetch_snapshot(newcomer, "silent", timeout=0.2, max_bytes=1 << 20)
+        fetch_state(newcomer, ["silent"], timeout=0.2, max_bytes=1 << 20)
 
 
-def test_a_newcomer_takes_the_model_optimizer_and_counters_of_a_member() -> None:
-    with started_peers(["old", "new"]) as (old, new):
+def _adams(peers: Sequence[PeerNetwork], dtype: torch.dtype = torch.float32) -> list[GossipOptimizer]:
+    """Equal models (a newcomer's parameters are chunks of its sources'), AdamW on each."""
+    optimizers = []
+    for peer in peers:
         torch.manual_seed(0)
-        models = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
-        optimizers = [
-            GossipOptimizer(
-                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), peer=p, topology=Topology("ring")
-            )
-            for m, p in zip(models, (old, new), strict=True)
-        ]
-        models[0](torch.ones(4, 3)).sum().backward()
-        optimizers[0].optimizer.step()  # the old node has momentum buffers now
-        optimizers[0].local_steps = 50
-        with serving(old, optimizers[0].snapshot):
-            first_round = optimizers[1].join_from("old", timeout=5)
-        torch.testing.assert_close(models[1].weight, models[0].weight)
-        torch.testing.assert_close(models[1].bias, models[0].bias)
-        assert optimizers[1].local_steps == 50
-        assert first_round >= 2 and optimizers[1].round == first_round
-        old_momentum = optimizers[0].optimizer.state[models[0].weight]["momentum_buffer"]
-        torch.testing.assert_close(
-            optimizers[1].optimizer.state[models[1].weight]["momentum_buffer"], old_momentum
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        optimizers.append(GossipOptimizer(optimizer, peer=peer, topology=Topology("ring")))
+    return optimizers
+
+
+def test_a_live_state_reads_any_byte_range_as_the_whole_state_has_it() -> None:
+    network = MemoryNetwork()
+    (optimizer,) = _adams([network.join("me")], torch.bfloat16)
+    model_params = optimizer.param_groups[0]["params"]
+    sum(p.float().sum() for p in model_params).backward()
+    optimizer.optimizer.step()  # Adam's moments (bfloat16) and its step counters
+    state = whole(optimizer._state)
+    assert set(state.tensors) == {"params", "optimizer.exp_avg", "optimizer.exp_avg_sq", "scalar.step"}
+    np.testing.assert_array_equal(state.tensors["scalar.step"], [1.0] * 4)
+    stream = np.concatenate([a.reshape(-1).view(np.uint8) for a in state.tensors.values()])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        start, stop = sorted(rng.integers(0, stream.size + 1, 2))
+        np.testing.assert_array_equal(optimizer._state.read(start, stop), stream[start:stop])
+
+
+def test_a_newcomer_takes_the_model_optimizer_and_counters_of_members_and_trains_on() -> None:
+    with started_peers(["old", "older", "new"]) as peers:
+        optimizers = _adams(peers)
+        for optimizer in optimizers[:2]:
+            params = optimizer.param_groups[0]["params"]
+            sum(p.sum() for p in params).backward()
+            optimizer.optimizer.step()  # Adam's moments
+            optimizer.local_steps = 50
+        new_params, old_params = (
+            optimizers[2].param_groups[0]["params"],
+            optimizers[0].param_groups[0]["params"],
         )
+        for new, old in zip(new_params, old_params, strict=True):
+            assert not torch.equal(new, old)  # (before the transfer)
+        with in_background(optimizers[0].serve_state), in_background(optimizers[1].serve_state):
+            first_round = optimizers[2].join_from(["old", "older"], timeout=10)
+        for new, old in zip(new_params, old_params, strict=True):
+            torch.testing.assert_close(new, old)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(optimizers[2].state[new][key], optimizers[0].state[old][key])
+        assert optimizers[2].local_steps == 50
+        assert first_round >= 2 and optimizers[2].round == first_round
         # the announcement travels on the network thread: under load it may take a moment
-        assert wait_until(lambda: "new" not in old.members(first_round - 1), 10)
+        assert wait_until(lambda: "new" not in peers[0].members(first_round - 1), 10)
+        sum(p.sum() for p in new_params).backward()
+        optimizers[2].optimizer.step()  # Adam goes on from the moments (and step count) it took
+        for optimizer in optimizers:
+            optimizer.close()
 
 
 def test_a_snapshot_that_does_not_fit_the_model_is_refused() -> None:

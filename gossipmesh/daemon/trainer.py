@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from gossip.state import RETRY_S, Snapshot, StateTransferError
+from gossip.state import Snapshot, StateTransferError
+from gossip.state_fetch import RETRY_S
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
@@ -40,7 +41,8 @@ from topologies import member_order
 
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
-SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for another
+SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for the others
+STATE_SOURCES = 3  # members a joiner takes its state from at once
 CHECKPOINT_RETRY_S = 10.0  # a checkpoint that failed (disk full...) is tried again after this
 log = logging.getLogger(__name__)
 
@@ -127,11 +129,12 @@ class Trainer:
         save_checkpoint(self.config.state_dir, self.progress.steps, tensors, counters)
 
     def join_running_mesh(self, cancelled: Callable[[], bool]) -> bool:
-        """Take the state of a member that trains (one that has announced its first round: a
-        member still starting has no state to give), in an order of this node's own so that
-        joiners spread over the sources; a silent source or a bad state moves on to the next.
-        False when no member trains (the members present start from round 0 together) or when
-        ``cancelled()``; raises StateTransferError when none gave its state in time."""
+        """Take the state of members that train (ones that have announced their first round: a
+        member still starting has no state to give), up to ``STATE_SOURCES`` at once, chosen
+        in an order of this node's own so that joiners spread over the mesh; silent sources
+        and bad states are left for the others. False when no member trains (the members
+        present start from round 0 together) or when ``cancelled()``; raises
+        StateTransferError when none gave its state in time."""
         me = self.peer.node_id
         deadline = time.monotonic() + self.config.startup_timeout
         failures: list[str] = []
@@ -140,21 +143,28 @@ class Trainer:
             if not sources:
                 return False
             random.Random(me).shuffle(sources)
-            for source in sources:
-                remaining = deadline - time.monotonic()
-                try:
-                    first_round = self.optimizer.join_from(
-                        source, timeout=remaining, patience_s=SOURCE_PATIENCE_S, cancelled=cancelled
-                    )
-                except StateTransferError as exc:
-                    failures.append(str(exc))
-                    if cancelled() or time.monotonic() >= deadline:
-                        break
-                    log.warning("%s: %s; trying another member", me, exc)
-                    continue
-                self.progress.steps = self.optimizer.local_steps
-                say(self.config.progress, f"{me} took the state of {source}; trains from round {first_round}")
-                return True
+            sources = sources[:STATE_SOURCES]
+            try:
+                first_round = self.optimizer.join_from(
+                    sources,
+                    timeout=deadline - time.monotonic(),
+                    patience_s=SOURCE_PATIENCE_S,
+                    cancelled=cancelled,
+                )
+            except StateTransferError as exc:
+                failures.append(str(exc))
+                log.warning("%s: %s; asking again", me, exc)
+                continue
+            self.progress.steps = self.optimizer.local_steps
+            transfer = self.optimizer.last_transfer
+            assert transfer is not None
+            self.progress.state_transfer = transfer.summary()
+            say(
+                self.config.progress,
+                f"{me} took the state of {', '.join(transfer.chunks)} ({transfer.bytes / 1e6:.1f} MB in "
+                f"{transfer.seconds:.2f} s, {transfer.mb_per_s:.0f} MB/s); trains from round {first_round}",
+            )
+            return True
         if cancelled():
             return False
         raise StateTransferError(
@@ -163,7 +173,7 @@ class Trainer:
 
     def run(self, stop: threading.Event) -> None:
         config, progress = self.config, self.progress
-        members = len(self.peer.members())
+        members = max(len(self.peer.members()), self.rank + 1)  # (a joiner's mesh may be ending)
         shard = self.task.shard(self.rank, members, partition=config.partition, seed=config.seed)
         progress.shard = shard.describe(config.partition)
         pacer = StepPacer(config.compute_ms, config.slowdown)
@@ -191,8 +201,7 @@ class Trainer:
                 self.optimizer.zero_grad()
                 loss.backward()
                 pacer.finish_step(started)
-                self.optimizer.step()
-                self.optimizer.serve_state()
+                self.optimizer.step()  # (it answers newcomers' state requests too)
                 progress.steps += 1
                 self._smooth(loss.item())
                 if self.metrics is not None:

@@ -91,10 +91,15 @@ def heal() -> None:
     _ip("-n", _switch(), "link", "set", "trunk0", "up")
 
 
-def cap_bandwidth(host: Host, rate: str) -> None:
-    """Limit what ``host`` sends to ``rate`` (e.g. ``20mbit``) with a token bucket filter."""
-    _ip("netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-        "rate", rate, "burst", "64kb", "latency", "200ms")  # fmt: skip
+def cap_bandwidth(host: Host, rate: str, *, downlink: bool = False) -> None:
+    """Limit what ``host`` sends (with ``downlink``: what it receives) to ``rate`` (e.g.
+    ``20mbit``) with a token bucket filter. The bucket holds 4 ms at the rate (64 KB at the
+    least): smaller ones cannot reach fast rates between the kernel's timer ticks."""
+    bits = float(rate.removesuffix("mbit")) * 1e6 if rate.endswith("mbit") else 0.0
+    burst = f"{max(64_000, int(bits / 8 * 0.004))}b"
+    namespace, device = (_switch(), host.switch_port) if downlink else (host.namespace, "eth0")
+    _ip("netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
+        "rate", rate, "burst", burst, "latency", "200ms")  # fmt: skip
 
 
 def enter(host: Host) -> None:

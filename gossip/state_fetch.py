@@ -1,0 +1,235 @@
+"""A newcomer's side of state transfer: pulling a state from one or more sources at once.
+
+Each source is a lane: its manifest first, then up to ``window`` chunks requested and not yet
+received; every chunk that arrives frees a credit for the next request, so the transfer runs as
+fast as the link and the sources allow and no source queues more than the window. Chunks still
+owed by a lane that has sent nothing for ``retry_s`` are asked of the lanes that move (or of it
+again); a lane silent for ``patience_s``, or whose answers are bad, is dropped. The transfer
+fails only when no lane is left, or after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossip.network import Envelope, PeerNetwork
+from gossip.state import (
+    CHUNK,
+    CHUNK_BYTES,
+    KINDS,
+    MANIFEST,
+    REQUEST,
+    WINDOW,
+    Assembly,
+    Manifest,
+    Snapshot,
+    StateTransferError,
+)
+
+RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
+REASK_S = 0.5  # a first manifest request that brought nothing this soon is sent once more
+POLL_S = 0.25  # how often a fetch looks whether it was cancelled
+
+
+@dataclass
+class TransferStats:
+    """How a transfer went: what a run report and a benchmark show."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    chunks: dict[str, int] = field(default_factory=dict)  # received from each source
+    reasked: int = 0  # chunks asked again after their lane stalled
+    dropped_sources: dict[str, str] = field(default_factory=dict)  # source -> why
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+    def summary(self) -> dict[str, Any]:
+        """The run report's ``state_transfer`` of a node that joined."""
+        return {
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "mb_per_s": round(self.mb_per_s, 1),
+            "chunks": dict(self.chunks),
+            "reasked": self.reasked,
+            "dropped_sources": dict(self.dropped_sources),
+        }
+
+
+@dataclass
+class _Lane:
+    source: str
+    heard: float  # when it last sent anything (or was first asked)
+    manifest_due: float  # when to ask for its manifest (again); inf once it arrived
+    asks: int = 0
+    stalls: int = 0  # times it owed chunks and went silent: it is asked after the lanes that move
+    ready: bool = False  # its manifest arrived and fits
+    owed: set[int] = field(default_factory=set)  # chunks asked of it, not received
+    settled: int = 0  # chunks received from it or given up on: its credit
+    received: int = 0
+
+
+def fetch_state(
+    peer: PeerNetwork,
+    sources: Sequence[str],
+    *,
+    timeout: float,
+    max_bytes: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    window: int = WINDOW,
+    retry_s: float = RETRY_S,
+    patience_s: float = math.inf,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> tuple[Snapshot, TransferStats]:
+    """The state of ``sources`` (see the module docstring) and how the transfer went. Raises
+    StateTransferError naming each source and why it gave nothing usable, also when
+    ``cancelled()`` turns true (asked every ``POLL_S``)."""
+    if not sources:
+        raise StateTransferError("no source to take the state from")
+    return _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s).run(timeout, cancelled)
+
+
+class _Fetch:
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        sources: Sequence[str],
+        max_bytes: int,
+        chunk_bytes: int,
+        window: int,
+        retry_s: float,
+        patience_s: float,
+    ) -> None:
+        self.peer, self.max_bytes, self.chunk_bytes, self.window = peer, max_bytes, chunk_bytes, window
+        self.retry_s, self.patience_s = retry_s, patience_s
+        self.transfer = secrets.randbits(62)
+        now = time.monotonic()
+        self.lanes = {source: _Lane(source, heard=now, manifest_due=now) for source in dict.fromkeys(sources)}
+        self.assembly: Assembly | None = None
+        self.reference: str | None = None  # the source whose manifest the state follows
+        self.missing: deque[int] = deque()  # chunks no lane owes
+        self.stats = TransferStats()
+
+    def run(self, timeout: float, cancelled: Callable[[], bool]) -> tuple[Snapshot, TransferStats]:
+        started = time.monotonic()
+        deadline = started + timeout
+        while self.assembly is None or not self.assembly.complete:
+            now = time.monotonic()
+            if cancelled():
+                raise self._error("cancelled")
+            if now >= deadline:
+                raise self._error(f"within {timeout:g} s")
+            self._look_after_lanes(now)
+            if not self.lanes:
+                raise self._error("")
+            self._ask_for_chunks()
+            wake = min([deadline, now + POLL_S, *(lane.manifest_due for lane in self.lanes.values())])
+            message = self.peer.recv(max(wake - now, 0.0), KINDS)
+            if message is not None and message.meta.get("transfer") == self.transfer:
+                self._take(message)
+        assert self.assembly is not None and self.reference is not None
+        try:
+            snapshot = self.assembly.snapshot()
+        except ValueError as exc:
+            raise StateTransferError(f"state from {', '.join(self.stats.chunks)} rejected: {exc}") from None
+        self.stats.bytes, self.stats.seconds = self.assembly.manifest.total, time.monotonic() - started
+        return snapshot, self.stats
+
+    def _look_after_lanes(self, now: float) -> None:
+        for lane in list(self.lanes.values()):
+            if now - lane.heard >= self.patience_s:
+                self._drop(lane, f"silent for {self.patience_s:g} s")
+                continue
+            if not lane.ready and now >= lane.manifest_due:
+                self.peer.send(lane.source, REQUEST, 0, meta={"transfer": self.transfer, "manifest": True})
+                lane.asks += 1  # the first is often lost (sent before the connection was up): once more soon
+                lane.manifest_due = now + (REASK_S if lane.asks == 1 else self.retry_s)
+            if lane.owed and now - lane.heard >= self.retry_s:
+                self.stats.reasked += len(lane.owed)
+                lane.stalls += 1
+                self._give_back(lane)
+
+    def _ask_for_chunks(self) -> None:
+        for lane in sorted(self.lanes.values(), key=lambda lane: lane.stalls):
+            free = self.window - len(lane.owed)
+            if not lane.ready or not self.missing or free < max(1, self.window // 4):
+                continue  # (asks in batches: a request per few chunks, not per chunk)
+            chunks = [self.missing.popleft() for _ in range(min(free, len(self.missing)))]
+            if not lane.owed:
+                lane.heard = time.monotonic()  # its stall clock starts now
+            lane.owed.update(chunks)
+            meta = {
+                "transfer": self.transfer,
+                "chunk_bytes": self.chunk_bytes,
+                "chunks": chunks,
+                "settled": lane.settled,
+            }
+            self.peer.send(lane.source, REQUEST, 0, meta=meta)
+
+    def _take(self, message: Envelope) -> None:
+        lane = self.lanes.get(message.sender)
+        if lane is None:
+            return
+        lane.heard = time.monotonic()
+        try:
+            if message.kind == MANIFEST:
+                self._take_manifest(lane, message)
+            elif message.kind == CHUNK:
+                self._take_chunk(lane, message)
+        except ValueError as exc:
+            self._drop(lane, str(exc))
+
+    def _take_manifest(self, lane: _Lane, message: Envelope) -> None:
+        if lane.ready:
+            return
+        manifest = Manifest.parse(message.meta, self.max_bytes)
+        if self.assembly is None:
+            self.assembly = Assembly(manifest, self.chunk_bytes)
+            self.reference = lane.source
+            self.missing.extend(range(self.assembly.count))
+        elif manifest.entries != self.assembly.manifest.entries:
+            raise ValueError(f"its layout differs from {self.reference}'s")
+        lane.ready, lane.manifest_due = True, math.inf
+
+    def _take_chunk(self, lane: _Lane, message: Envelope) -> None:
+        index = message.meta.get("index")
+        if self.assembly is None or (index not in lane.owed and index not in self.assembly.seen):
+            return  # (a chunk of an earlier lane's stall, already asked again and received)
+        if self.assembly.add(index, message.tensors):
+            lane.received += 1
+            self.stats.chunks[lane.source] = lane.received
+        if index in lane.owed:
+            lane.owed.discard(index)
+            lane.settled += 1
+
+    def _give_back(self, lane: _Lane) -> None:
+        """The chunks ``lane`` owes go back to be asked for (they are settled for its credit)."""
+        assert self.assembly is not None
+        self.missing.extendleft(sorted(i for i in lane.owed if i not in self.assembly.seen))
+        lane.settled += len(lane.owed)
+        lane.owed.clear()
+
+    def _drop(self, lane: _Lane, why: str) -> None:
+        if self.assembly is not None:
+            self._give_back(lane)
+        self.stats.dropped_sources[lane.source] = why
+        del self.lanes[lane.source]
+
+    def _error(self, why: str) -> StateTransferError:
+        got = (
+            "nothing"
+            if self.assembly is None
+            else f"{len(self.assembly.seen)} of {self.assembly.count} chunks"
+        )
+        reasons = "; ".join(f"{s}: {r}" for s, r in self.stats.dropped_sources.items())
+        names = ", ".join(dict.fromkeys([*self.lanes, *self.stats.dropped_sources]))
+        return StateTransferError(
+            " ".join(filter(None, [f"state from {names}: {got}", why, reasons and f"({reasons})"]))
+        )
