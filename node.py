@@ -35,11 +35,10 @@ from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.peers import default_id, make_peer
 from gossipmesh.daemon.status_server import StatusServer
 from gossipmesh.daemon.trainer import Trainer
+from gossipmesh.lifecycle import Entry
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_json
 from p2p import Peer
-from p2p.membership import NOT_YET
 from p2p.security import insecure_warning
-from topologies import member_order
 
 log = logging.getLogger(logs.NODE_LOGGER)
 
@@ -65,18 +64,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     if config.insecure:
         say(config.progress, f"WARNING: {insecure_warning()}")
     checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
-    # a node resumed from a checkpoint rejoins the mesh it crashed out of, whatever --expect says
-    joins_running_mesh = bool(config.bootstrap or config.beacon) and (
-        config.expect == 0 or checkpoint is not None
-    )
-    expect = 1 if joins_running_mesh else max(1, config.expect)
-    # A node takes part in gossip rounds only once it is ready to train (imports done, model and
-    # optimizer built): members that start together wait for each other at round 0, so a node
-    # that is seconds slower to start is not averaged around.
-    announces_later = joins_running_mesh or config.expect > 1
-    peer = make_peer(
-        config, model, node_id=node_id, clock=clock, first_round=NOT_YET if announces_later else 0
-    )
+    entry = Entry(config, resumed=checkpoint is not None)
+    peer = make_peer(config, model, node_id=node_id, clock=clock, first_round=entry.first_round)
     peer.transport.on_failure = lambda _: stop.set()  # a node whose network died must not train on
     metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
     metrics.peer = peer
@@ -98,8 +87,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         if config.metrics_port is not None:
             status = StatusServer(metrics, config.metrics_port, config.metrics_host)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
-        peer.wait_ready(config.startup_timeout, expect=expect, cancelled=cancelled)
-        ordered = member_order(peer.members())
+        ordered = entry.wait_for_members(peer, cancelled)
         rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": rank, "members": ordered})
@@ -108,22 +96,10 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             trainer.resume(checkpoint)
             when["resumed_from"] = str(checkpoint.path)
             say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {trainer.steps})")
-        if joins_running_mesh and len(ordered) > 1 and trainer.join_running_mesh(cancelled):
+        transfer = entry.come_in(peer, trainer.optimizer, ordered, cancelled)
+        if transfer is not None:
             when["t_joined"] = round(clock(), 3)
-        elif announces_later:  # (also when no member trains yet: those present start together)
-            peer.start_at_round(0)
-            if joins_running_mesh:  # each member present starts with us, or takes our state
-
-                def serving() -> bool:
-                    trainer.optimizer.serve_state()
-                    return cancelled()
-
-                announced = NOT_YET - 1  # the members of this "round" have announced a first round
-                peer.wait_ready(
-                    config.startup_timeout, expect=len(ordered), round=announced, cancelled=serving
-                )
-            else:
-                peer.wait_ready(config.startup_timeout, expect=expect, round=0, cancelled=cancelled)
+            trainer.joined(transfer)
         if not stop.is_set():
             trainer.run(stop)
         peer.transport.check_running()  # a network that died stopped training: that is a failure

@@ -1,5 +1,6 @@
-"""Your own model in your own training loop, averaged with a mesh: two lines differ from a
-local loop (``gossipmesh.connect`` and ``config.gossip_optimizer``).
+"""Your own model in your own training loop, averaged with a mesh: the loop runs inside a
+``gossipmesh.Session`` (join, or take a running mesh's state; checkpoints with --state-dir; a
+clean leave) and steps the session's optimizer.
 
 Run two nodes (options are those of ``gossipmesh node``: flags, GOSSIPMESH_* or --config)::
 
@@ -91,32 +92,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = task.model(config.seed)
     before = task.evaluate(model)
 
-    peer = gossipmesh.connect(config, model)  # joined, with --expect members
     # your optimizer, averaging as the flags say (--algorithm, --topology, --compression...)
-    optimizer = config.gossip_optimizer(
-        torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum), peer
-    )
-
-    members = gossipmesh.member_order(peer.members())
-    rank = members.index(peer.node_id)
-    shard = task.shard(rank, len(members), partition=config.partition, seed=config.seed)
-    steps = config.step_budget or math.inf
-    for step, (inputs, targets) in enumerate(Batches(shard, config.batch_size, seed=config.seed + rank)):
-        if step == steps:
-            break
-        loss = task.loss(model, inputs, targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()  # a local step, then a gossip round with the neighbours
-    optimizer.close()
-    peer.leave(after_round=optimizer.round - 1)
-    peer.close()
+    local = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    with gossipmesh.Session(config, model, local) as node:  # joined (or took the mesh's state)
+        optimizer, rank = node.optimizer, node.rank
+        shard = task.shard(rank, len(node.members), partition=config.partition, seed=config.seed)
+        steps = config.step_budget or math.inf
+        for step, (inputs, targets) in enumerate(Batches(shard, config.batch_size, seed=config.seed + rank)):
+            if step == steps:
+                break
+            loss = task.loss(model, inputs, targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()  # a local step, then a gossip round with the neighbours
+    # (here the node has left the mesh after its last round)
 
     after = task.evaluate(model)
     if config.save_params is not None:
         np.save(config.save_params, optimizer.flat.array)
     summary = {
-        "id": peer.node_id,
+        "id": node.node_id,
         "rank": rank,
         "rounds": optimizer.round,
         "seconds": optimizer.statistics().phase_seconds,  # where the time went: compute, wait...

@@ -3,9 +3,10 @@
     import gossipmesh
 
     config = gossipmesh.node_config()                 # the daemon's options: flags, env, TOML
-    peer = gossipmesh.connect(config, model)          # joined, with --expect members
-    optimizer = config.gossip_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), peer)
-    # or: gossipmesh.GossipOptimizer(sgd, peer=peer, algorithm=gossipmesh.Algorithm.parse("sgp"))
+    with gossipmesh.Session(config, model, torch.optim.SGD(model.parameters(), lr=0.05)) as node:
+        ...  # the loop, stepping node.optimizer: joined (or took the mesh's state), checkpoints
+    # or piece by piece: peer = gossipmesh.connect(config, model);
+    # gossipmesh.GossipOptimizer(sgd, peer=peer, algorithm=gossipmesh.Algorithm.parse("sgp"))
 
 Strings become objects at one boundary, each type's ``parse`` (``Algorithm.parse("dpsgd:backup=1")``,
 ``Topology.parse("ring")``, ``Codec.parse("int8")``, ``RobustRule.parse("clip")``); every
@@ -27,6 +28,7 @@ from gossip import (
 from gossip.flat import host_vector
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
 from gossipmesh.daemon.peers import connect
+from gossipmesh.lifecycle import Session
 from gossipmesh.tasks import IID, Batches, DataPartition, Evaluation, Shard, Task, TaskRef, partition_indices
 from p2p import Peer
 from topologies import SpecError, Topology, member_order
@@ -47,6 +49,7 @@ __all__ = [
     "Peer",
     "PeerNetwork",
     "RobustRule",
+    "Session",
     "Shard",
     "SpecError",
     "Task",

@@ -27,6 +27,7 @@ from gossipmesh.config import NodeConfig, node_config
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.status_server import MAX_CONNECTIONS, StatusServer
 from gossipmesh.daemon.trainer import Trainer
+from gossipmesh.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p import Peer, TransportError
 from p2p.membership import NOT_YET
@@ -137,7 +138,7 @@ def test_a_member_still_starting_is_no_state_source() -> None:
     task = config.task.make()
     trainer = Trainer(config, task, task.model(0), late, 0, time.monotonic)  # type: ignore[arg-type]
     started = time.monotonic()
-    assert not trainer.join_running_mesh(lambda: False)
+    assert join_running_mesh(late, trainer.optimizer, 5, lambda: False) is None  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.0
 
 

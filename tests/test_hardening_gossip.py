@@ -21,6 +21,7 @@ from gossip.state_fetch import fetch_state
 from gossip.state_server import MAX_TRANSFERS, StateServer
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.trainer import Trainer
+from gossipmesh.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from topologies import Topology
 
@@ -175,9 +176,9 @@ def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
         in_background(StateServer(bad, impossible).serve),
         in_background(source.serve_state),
     ):
-        assert trainer.join_running_mesh(lambda: False)
+        assert join_running_mesh(late, trainer.optimizer, 20, lambda: False) is not None  # type: ignore[arg-type]
     np.testing.assert_array_equal(trainer.optimizer.flat.array, source.flat.array)
-    assert trainer.steps == 7 and trainer.optimizer.round == 2  # good's round 0 + the lead
+    assert trainer.optimizer.local_steps == 7 and trainer.optimizer.round == 2  # good's round 0 + the lead
 
 
 def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:

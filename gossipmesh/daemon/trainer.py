@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -23,26 +22,22 @@ from typing import Any
 
 import torch
 
-from gossip.state import Snapshot, StateTransferError
-from gossip.state_fetch import RETRY_S
+from gossip.state_fetch import TransferStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
-from gossipmesh.daemon.checkpoint import Checkpoint, save_checkpoint
+from gossipmesh.daemon.checkpoint import Checkpoint
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.pacing import StepPacer
 from gossipmesh.daemon.recorder import Recorder
+from gossipmesh.lifecycle import restore_state, save_state
 from gossipmesh.report import Progress, TimelinePoint
 from gossipmesh.tasks import Batches, Evaluation, Task
 from p2p import Peer
-from p2p.membership import NOT_YET
 from p2p.ratelimit import QuietLog
-from topologies import member_order
 
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
-SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for the others
-STATE_SOURCES = 3  # members a joiner takes its state from at once
 CHECKPOINT_RETRY_S = 10.0  # a checkpoint that failed (disk full...) is tried again after this
 log = logging.getLogger(__name__)
 
@@ -100,75 +95,35 @@ class Trainer:
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from a checkpoint of this node: model, optimizer, counters, RNG, data order."""
-        tensors, counters = checkpoint.tensors, checkpoint.counters
-        model_state = {k: v for k, v in tensors.items() if k == "params" or k.startswith("optimizer.")}
-        self.optimizer.restore(Snapshot(model_state, {"local_steps": counters["local_steps"]}))
-        self.progress.steps = int(counters["steps"])
-        torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
+        restore_state(checkpoint, self.optimizer)
+        self.progress.steps = int(checkpoint.counters["steps"])
         self._sampler_at = (
-            torch.from_numpy(tensors["sampler.pass_start"].copy()),
-            int(counters["sampler_used"]),
+            torch.from_numpy(checkpoint.tensors["sampler.pass_start"].copy()),
+            int(checkpoint.counters["sampler_used"]),
         )
 
     def checkpoint(self) -> None:
-        """Write a checkpoint to the state folder (see ``gossipmesh.daemon.checkpoint``)."""
+        """Write a checkpoint to the state folder (see ``gossipmesh.lifecycle.save_state``)."""
         assert self.config.state_dir is not None and self._batches is not None
-        snapshot = self.optimizer.snapshot()
         pass_start, used = self._batches.position()
-        tensors = {
-            **snapshot.tensors,
-            "rng.torch": torch.get_rng_state().numpy(),
-            "sampler.pass_start": pass_start.numpy(),
-        }
-        counters = {
-            "local_steps": self.optimizer.local_steps,
-            "round": self.optimizer.round,
-            "sampler_used": used,
-            "node_id": self.peer.node_id,
-        }
-        save_checkpoint(self.config.state_dir, self.progress.steps, tensors, counters)
+        save_state(
+            self.config.state_dir,
+            self.progress.steps,
+            self.optimizer,
+            self.peer.node_id,
+            tensors={"sampler.pass_start": pass_start.numpy()},
+            counters={"sampler_used": used},
+        )
 
-    def join_running_mesh(self, cancelled: Callable[[], bool]) -> bool:
-        """Take the state of members that train (ones that have announced their first round: a
-        member still starting has no state to give), up to ``STATE_SOURCES`` at once, chosen
-        in an order of this node's own so that joiners spread over the mesh; silent sources
-        and bad states are left for the others. False when no member trains (the members
-        present start from round 0 together) or when ``cancelled()``; raises
-        StateTransferError when none gave its state in time."""
-        me = self.peer.node_id
-        deadline = time.monotonic() + self.config.startup_timeout
-        failures: list[str] = []
-        while time.monotonic() < deadline and not cancelled():
-            sources = member_order(self.peer.members(NOT_YET - 1) - {me})
-            if not sources:
-                return False
-            random.Random(me).shuffle(sources)
-            sources = sources[:STATE_SOURCES]
-            try:
-                first_round = self.optimizer.join_from(
-                    sources,
-                    timeout=deadline - time.monotonic(),
-                    patience_s=SOURCE_PATIENCE_S,
-                    cancelled=cancelled,
-                )
-            except StateTransferError as exc:
-                failures.append(str(exc))
-                log.warning("%s: %s; asking again", me, exc)
-                continue
-            self.progress.steps = self.optimizer.local_steps
-            transfer = self.optimizer.last_transfer
-            assert transfer is not None
-            self.progress.state_transfer = transfer.summary()
-            say(
-                self.config.progress,
-                f"{me} took the state of {', '.join(transfer.chunks)} ({transfer.bytes / 1e6:.1f} MB in "
-                f"{transfer.seconds:.2f} s, {transfer.mb_per_s:.0f} MB/s); trains from round {first_round}",
-            )
-            return True
-        if cancelled():
-            return False
-        raise StateTransferError(
-            f"no member gave its state within {self.config.startup_timeout:g} s: " + "; ".join(failures[-3:])
+    def joined(self, transfer: TransferStats) -> None:
+        """This node took a running mesh's state: it goes on from the members' step count."""
+        self.progress.steps = self.optimizer.local_steps
+        self.progress.state_transfer = transfer.summary()
+        say(
+            self.config.progress,
+            f"{self.peer.node_id} took the state of {', '.join(transfer.chunks)} ({transfer.bytes / 1e6:.1f} "
+            f"MB in {transfer.seconds:.2f} s, {transfer.mb_per_s:.0f} MB/s); trains from round "
+            f"{self.optimizer.round}",
         )
 
     def run(self, stop: threading.Event) -> None:

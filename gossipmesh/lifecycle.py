@@ -1,0 +1,233 @@
+"""A node's life in a mesh, written once for the daemon and for users' own loops: come in (start
+together with the expected members, or take a running mesh's state), checkpoint, resume, leave.
+
+:class:`Entry` decides how a node comes in from its options and whether it resumed: a node
+given ``--expect N`` waits for N members and all start from round 0; a node with contacts and
+no ``--expect`` (or one that resumed from its own checkpoint: it rejoins the mesh it crashed out
+of) joins a running mesh and takes the state of members that train. :class:`Session` is the
+whole life for a user's loop, as a context manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossip import GossipOptimizer
+from gossip.state import Snapshot, StateTransferError
+from gossip.state_fetch import RETRY_S, TransferStats
+from gossipmesh.config import NodeConfig
+from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, save_checkpoint
+from gossipmesh.daemon.peers import default_id, make_peer
+from p2p import Peer
+from p2p.membership import NOT_YET
+from topologies import member_order
+
+SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for the others
+STATE_SOURCES = 3  # members a joiner takes its state from at once
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How a node comes into the mesh (see the module docstring)."""
+
+    config: NodeConfig
+    resumed: bool  # it resumed from a checkpoint of its own
+
+    @property
+    def joins_running_mesh(self) -> bool:
+        has_contacts = bool(self.config.bootstrap or self.config.beacon)
+        return has_contacts and (self.config.expect == 0 or self.resumed)
+
+    @property
+    def first_round(self) -> int:
+        """The peer's first gossip round: announced later (once ready to train) unless it
+        starts alone: members that start together wait for each other at round 0, so a node
+        that is seconds slower to start is not averaged around."""
+        return NOT_YET if self.joins_running_mesh or self.config.expect > 1 else 0
+
+    def wait_for_members(self, peer: Peer, cancelled: Callable[[], bool]) -> list[str]:
+        """Block until joined (with ``--expect`` members, unless joining a running mesh); the
+        members in rank order."""
+        expect = 1 if self.joins_running_mesh else max(1, self.config.expect)
+        peer.wait_ready(self.config.startup_timeout, expect=expect, cancelled=cancelled)
+        return member_order(peer.members())
+
+    def come_in(
+        self, peer: Peer, optimizer: GossipOptimizer, members: list[str], cancelled: Callable[[], bool]
+    ) -> TransferStats | None:
+        """Take a running mesh's state (returns how it went), or start from round 0 with the
+        members present (None)."""
+        if self.joins_running_mesh and len(members) > 1:
+            transfer = join_running_mesh(peer, optimizer, self.config.startup_timeout, cancelled)
+            if transfer is not None:
+                return transfer
+        if self.first_round == NOT_YET:  # (also when no member trains yet: those present start together)
+            peer.start_at_round(0)
+            if self.joins_running_mesh:  # each member present starts with us, or takes our state
+
+                def serving() -> bool:
+                    optimizer.serve_state()
+                    return cancelled()
+
+                announced = NOT_YET - 1  # the members of this "round" have announced a first round
+                peer.wait_ready(
+                    self.config.startup_timeout, expect=len(members), round=announced, cancelled=serving
+                )
+            else:
+                peer.wait_ready(
+                    self.config.startup_timeout, expect=self.config.expect, round=0, cancelled=cancelled
+                )
+        return None
+
+
+def join_running_mesh(
+    peer: Peer, optimizer: GossipOptimizer, timeout: float, cancelled: Callable[[], bool]
+) -> TransferStats | None:
+    """Take the state of members that train (ones that have announced their first round: a
+    member still starting has no state to give), up to ``STATE_SOURCES`` at once, chosen in an
+    order of this node's own so that joiners spread over the mesh; silent sources and bad
+    states are left for the others. None when no member trains (the members present start from
+    round 0 together) or when ``cancelled()``; raises StateTransferError when none gave its
+    state within ``timeout``."""
+    me = peer.node_id
+    deadline = time.monotonic() + timeout
+    failures: list[str] = []
+    while time.monotonic() < deadline and not cancelled():
+        sources = member_order(peer.members(NOT_YET - 1) - {me})
+        if not sources:
+            return None
+        random.Random(me).shuffle(sources)
+        try:
+            optimizer.join_from(
+                sources[:STATE_SOURCES],
+                timeout=deadline - time.monotonic(),
+                patience_s=SOURCE_PATIENCE_S,
+                cancelled=cancelled,
+            )
+        except StateTransferError as exc:
+            failures.append(str(exc))
+            log.warning("%s: %s; asking again", me, exc)
+            continue
+        assert optimizer.last_transfer is not None
+        return optimizer.last_transfer
+    if cancelled():
+        return None
+    raise StateTransferError(f"no member gave its state within {timeout:g} s: " + "; ".join(failures[-3:]))
+
+
+def save_state(
+    folder: Path,
+    steps: int,
+    optimizer: GossipOptimizer,
+    node_id: str,
+    tensors: Mapping[str, np.ndarray] | None = None,
+    counters: Mapping[str, Any] | None = None,
+) -> Path:
+    """A checkpoint of the model, the optimizer, the gossip counters and torch's RNG (plus the
+    caller's ``tensors`` and ``counters``); see ``gossipmesh.daemon.checkpoint``."""
+    snapshot = optimizer.snapshot()
+    everything = {**snapshot.tensors, "rng.torch": torch.get_rng_state().numpy(), **(tensors or {})}
+    own = {"local_steps": optimizer.local_steps, "round": optimizer.round, "node_id": node_id}
+    return save_checkpoint(folder, steps, everything, {**own, **(counters or {})})
+
+
+def restore_state(checkpoint: Checkpoint, optimizer: GossipOptimizer) -> None:
+    """Continue from ``checkpoint`` (of :func:`save_state`): model, optimizer, counters, RNG."""
+    tensors, counters = checkpoint.tensors, checkpoint.counters
+    model_state = {
+        k: v for k, v in tensors.items() if k == "params" or k.startswith(("optimizer.", "scalar."))
+    }
+    optimizer.restore(Snapshot(model_state, {"local_steps": counters["local_steps"]}))
+    torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
+
+
+class Session:
+    """A node's whole life in a mesh, for a user's own training loop::
+
+        with gossipmesh.Session(config, model, torch.optim.AdamW(model.parameters())) as node:
+            for inputs, targets in batches:
+                loss = loss_fn(model(inputs), targets)
+                node.optimizer.zero_grad(); loss.backward(); node.optimizer.step()
+
+    On entering it joins (``gossipmesh.connect``'s options: ``--listen``, ``--bootstrap``,
+    ``--expect``...), resumes from the newest checkpoint in ``--state-dir`` when there is one, and
+    either starts from round 0 with the ``--expect`` members or takes the state of members
+    already training (``transfer`` says how it went). ``optimizer`` is the given one wrapped as
+    the options say (a ``GossipOptimizer``); with ``--state-dir`` it checkpoints every
+    ``--checkpoint-every`` steps. On leaving (an exception too) it stops gossiping after its
+    last round, tells the members, writes a last checkpoint and closes the network.
+    """
+
+    def __init__(self, config: NodeConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.config = config
+        self.node_id = config.id or default_id(config.listen)
+        self._checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
+        self.entry = Entry(config, resumed=self._checkpoint is not None)
+        self.peer = make_peer(config, model, node_id=self.node_id, first_round=self.entry.first_round)
+        self.optimizer = config.gossip_optimizer(optimizer, self.peer)
+        self.members: list[str] = []
+        self.transfer: TransferStats | None = None
+        self.resumed_from = self._checkpoint.path if self._checkpoint is not None else None
+        if config.state_dir is not None:
+            self.optimizer.register_step_post_hook(lambda *_: self._checkpoint_when_due())
+
+    @property
+    def rank(self) -> int:
+        """This node's place among the members it started with (its data shard, say)."""
+        return self.members.index(self.node_id)
+
+    def __enter__(self) -> Session:
+        self.peer.start()
+        try:
+            self.members = self.entry.wait_for_members(self.peer, cancelled=lambda: False)
+            if self._checkpoint is not None:
+                restore_state(self._checkpoint, self.optimizer)
+            self.transfer = self.entry.come_in(
+                self.peer, self.optimizer, self.members, cancelled=lambda: False
+            )
+        except BaseException:
+            self.optimizer.close()
+            self.peer.close()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def checkpoint(self) -> Path:
+        """Write a checkpoint to ``--state-dir`` now."""
+        if self.config.state_dir is None:
+            raise ValueError("checkpoints go to --state-dir: give the node one")
+        return save_state(self.config.state_dir, self.optimizer.local_steps, self.optimizer, self.node_id)
+
+    def close(self) -> None:
+        """Leave after this node's last round, write a last checkpoint, close the network."""
+        self.optimizer.close()
+        self.peer.leave(after_round=self.optimizer.round - 1)
+        try:
+            if self.config.state_dir is not None:
+                self.checkpoint()
+        finally:
+            self.peer.close()
+
+    def _checkpoint_when_due(self) -> None:
+        if self.optimizer.local_steps % self.config.checkpoint_every == 0:
+            try:
+                self.checkpoint()
+            except OSError as exc:  # (training goes on: the previous checkpoint is still whole)
+                log.warning(
+                    "%s: cannot write a checkpoint to %s: %s", self.node_id, self.config.state_dir, exc
+                )
