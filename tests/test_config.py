@@ -28,6 +28,7 @@ from gossipmesh.config import (
     summary,
 )
 from gossipmesh.config.options import Option, flag, option_of
+from gossipmesh.mesh import netns
 from gossipmesh.tasks import DataPartition
 from node import main
 from topologies import Topology
@@ -237,6 +238,11 @@ INVALID = [
     (["mesh", "--kill", "7@1"], "--kill: rank 7 is not in 0..3"),
     (["mesh", "--pause", "9@1:2", "--join", "2@5"], "--pause: rank 9 is not in 0..5"),
     (["mesh", "--metrics-port", "65535"], "--metrics-port: must be in 1..65532 for 4 nodes"),
+    (["mesh", "--link", "100"], "--link: limits namespace hosts' links: add --hosts netns"),
+    (["mesh", "--hosts", "netns", "--link", "9:100"], "--link: '9:100': rank 9 is not in 0..3"),
+    (["mesh", "--hosts", "netns", "--link", "x:1"], "--link: 'x:1': expected MBPS or RANK:MBPS"),
+    (["mesh", "--hosts", "netns", "--link", "0"], "--link: '0': expected MBPS or RANK:MBPS"),
+    (["mesh", "--hosts", "netns", "--metrics-port", "9000"], "--metrics-port: serves on 127.0.0.1"),
     (["mesh", "--algorithm", "choco", "--compression", "int8", "--topology", "star"], None),  # valid
     (
         ["simulate", "--algorithm", "allreduce", "--task", "digits"],
@@ -358,3 +364,13 @@ def test_help_of_every_command_renders(capsys: pytest.CaptureFixture[str]) -> No
         text = capsys.readouterr().out
         for name in _actions(command):
             assert flag(name) in text or name.upper() in text or "NAME" in text, (command, name)
+
+
+def test_namespace_hosts_where_none_can_be_made_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(netns, "unavailable", lambda: "network namespaces need root")
+    assert main(["mesh", "--hosts", "netns", "--run-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gossipmesh: error: --hosts netns: network namespaces need root; run as root, or use --hosts local"
+    )

@@ -18,7 +18,7 @@ import torch
 
 from gossip import Algorithm, Codec, GossipOptimizer, PeerNetwork, RobustRule
 from gossipmesh.config import options as o
-from gossipmesh.config.values import ChaosAction, Corruption, ForRank, schedule
+from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
 from gossipmesh.sim.network import Partition
 from gossipmesh.sim.scenario import Stragglers
@@ -185,7 +185,7 @@ class NodeConfig(TrainConfig):
 
 @dataclass(frozen=True)
 class MeshConfig(TrainConfig):
-    """A local test mesh: N daemons as separate processes on 127.0.0.1."""
+    """A local test mesh: N daemons as separate processes, on 127.0.0.1 or on namespace hosts."""
 
     title: ClassVar[str] = "mesh"
 
@@ -203,6 +203,8 @@ class MeshConfig(TrainConfig):
     run_dir: Path | None = o.RUN_DIR.field()
     plot: str = o.PLOT.field()
     metrics_port: int | None = o.MESH_METRICS_PORT.field()
+    hosts: str = o.HOSTS.field()
+    link: tuple[Link, ...] = o.LINK.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -224,6 +226,23 @@ class MeshConfig(TrainConfig):
         if self.metrics_port is not None:
             last = 65535 - (total - 1)
             check(self.metrics_port <= last, "--metrics-port", f"must be in 1..{last} for {total} nodes")
+            check(self.hosts == "local", "--metrics-port", "serves on 127.0.0.1: use it with --hosts local")
+        check(
+            not self.link or self.hosts == "netns",
+            "--link",
+            "limits namespace hosts' links: add --hosts netns",
+        )
+        for cap in self.link:
+            check(
+                cap.rank is None or cap.rank < total,
+                "--link",
+                f"'{cap}': rank {cap.rank} is not in 0..{total - 1}",
+            )
+
+    def uplink_mbps(self, rank: int) -> float | None:
+        """Node ``rank``'s uplink cap (--link): its own, else the one of every node, else none."""
+        caps = {cap.rank: cap.mbps for cap in self.link}
+        return caps.get(rank, caps.get(None))
 
     def chaos(self) -> list[ChaosAction]:
         """The --kill / --leave / --pause / --join schedule, in time order."""

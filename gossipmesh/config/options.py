@@ -274,6 +274,18 @@ PAUSE = _repeatable(
 )
 MESH_INSECURE = _switch("run the nodes without CURVE (by default the mesh makes a key pair per node)")
 MESH_REPORT = Option(Path, "report path (default: RUN_DIR/report.json)")
+HOSTS = Option(
+    choice(("local", "netns")),
+    "where the nodes run: local (127.0.0.1), or netns (a Linux network-namespace host each, on one "
+    "bridged LAN; needs root and iproute2)",
+    "local",
+)
+LINK = _repeatable(
+    values.link,
+    "MBPS limits every node's uplink, RANK:MBPS node RANK's (tc tbf; repeatable; needs --hosts netns). "
+    "Latency cannot be emulated here (no netem): gossipmesh simulate models it",
+    "[RANK:]MBPS",
+)
 RUN_DIR = Option(Path, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)")
 PLOT = Option(str, "report plot: auto (REPORT.png beside the report), none, or a PNG path", "auto")
 MESH_METRICS_PORT = Option(

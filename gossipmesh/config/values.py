@@ -178,6 +178,25 @@ def join(text: str) -> ChaosAction:
     return ChaosAction(at, "join", count=joined)
 
 
+@dataclass(frozen=True)
+class Link:
+    """A bandwidth cap of a local mesh: ``MBPS`` on every node's uplink, ``RANK:MBPS`` on one's."""
+
+    rank: int | None
+    mbps: float
+
+    def __str__(self) -> str:
+        return f"{self.mbps:g}" if self.rank is None else f"{self.rank}:{self.mbps:g}"
+
+
+def link(text: str) -> Link:
+    rank, colon, rate = text.rpartition(":")
+    mbps = _float(rate)
+    if (colon and not rank.isdigit()) or not (math.isfinite(mbps) and mbps > 0):
+        raise ValueError(f"{text!r}: expected MBPS or RANK:MBPS with MBPS > 0, e.g. 100 or 3:10")
+    return Link(int(rank) if colon else None, mbps)
+
+
 def pause(text: str) -> ChaosAction:
     """``RANK@SECONDS:DURATION``: SIGSTOP, then SIGCONT DURATION s later."""
     rank, _, when = text.partition("@")

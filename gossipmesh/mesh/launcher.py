@@ -1,14 +1,16 @@
-"""The local test mesh: N daemons as separate OS processes on 127.0.0.1.
+"""The local test mesh: N daemons as separate OS processes on 127.0.0.1, or each on a host of
+its own (``--hosts netns``: a Linux network namespace on one bridged LAN, ``gossipmesh.mesh.netns``,
+whose links ``--link`` limits with ``tc tbf``).
 
-Each node runs the daemon's own entry point (``gossipmesh node ...``) with a free port, one
-compute thread and the shared report clock. The first node starts the mesh; the others join
-through its address alone and wait until all N are members (``--expect N``), then all train from
-round 0. Unless ``--insecure``, the launcher makes a CURVE key pair per node and a trusted folder
-of their public keys (a joiner's key is added before it starts: nodes re-read the folder).
-The launcher reads the nodes' JSON progress lines into a live table, carries out the
-fault schedule (``--kill``, ``--leave``, ``--pause``, ``--join``), stops every node on Ctrl-C or
-SIGTERM, and merges the nodes' reports into one (adding the consensus distance of the final
-models).
+Each node runs the daemon's own entry point (``gossipmesh node ...``) with a free port (port
+7000 of its host), one compute thread and the shared report clock. The first node starts the
+mesh; the others join through its address alone and wait until all N are members
+(``--expect N``), then all train from round 0. Unless ``--insecure``, the launcher makes a CURVE
+key pair per node and a trusted folder of their public keys (a joiner's key is added before it
+starts: nodes re-read the folder). The launcher reads the nodes' JSON progress lines into a live
+table, carries out the fault schedule (``--kill``, ``--leave``, ``--pause``, ``--join``), stops
+every node on Ctrl-C or SIGTERM, and merges the nodes' reports into one (adding the consensus
+distance of the final models, and ``links``: where the nodes ran and their uplink caps).
 
 Nodes are forked from the launcher after it has imported what every node needs, as PyTorch's
 DataLoader forks its workers: on a machine with few cores, N fresh interpreters each importing
@@ -35,23 +37,28 @@ import torch
 
 from gossip import consensus_distance
 from gossipmesh import report_view
-from gossipmesh.config import MeshConfig, as_flags, summary
+from gossipmesh.config import ConfigError, MeshConfig, as_flags, summary
 from gossipmesh.config.values import ChaosAction
 from gossipmesh.console import LiveTable
+from gossipmesh.mesh import netns
 from gossipmesh.mesh.node_process import NodeMain, NodeProcess
 from gossipmesh.report import build_report, write_json
 from p2p.address import free_ports
 from p2p.security import keygen
 
 STOP_GRACE_S = 10.0
+HOST_PORT = 7000  # every namespace host's node listens here
 _REFRESH_S = 0.25
 
 
 class Mesh:
     """The processes of one local mesh and its fault schedule."""
 
-    def __init__(self, config: MeshConfig, node_main: NodeMain, run_dir: Path) -> None:
+    def __init__(
+        self, config: MeshConfig, node_main: NodeMain, run_dir: Path, hosts: list[netns.Host] | None = None
+    ) -> None:
         self.config = config
+        self.hosts = hosts  # a namespace host per node, joiners' included (None: 127.0.0.1)
         self.node_main = node_main
         self.run_dir = run_dir
         self.origin = time.time()
@@ -69,7 +76,9 @@ class Mesh:
 
     def start_node(self, port: int, bootstrap: str | None, *, expect: int) -> NodeProcess:
         rank = len(self.nodes)
-        node = NodeProcess(rank, f"tcp://127.0.0.1:{port}", self.run_dir)
+        host = self.hosts[rank] if self.hosts is not None else None
+        address = f"tcp://{host.address}:{HOST_PORT}" if host is not None else f"tcp://127.0.0.1:{port}"
+        node = NodeProcess(rank, address, self.run_dir)
         argv = [
             "node",
             "--id", node.id,
@@ -89,7 +98,7 @@ class Mesh:
             *(["--device", self._device[rank]] if rank in self._device else []),
             *self._security_flags(node.id),
         ]  # fmt: skip
-        node.start(self.node_main, argv)
+        node.start(self.node_main, argv, enter=(lambda: netns.enter(host)) if host is not None else None)
         self._selector.register(node.progress_fd, selectors.EVENT_READ, node)
         self.nodes.append(node)
         return node
@@ -159,9 +168,9 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
         file=stream,
         flush=True,  # a buffered line would be written again by every forked node
     )
-    mesh = Mesh(config, node_main, run_dir)
     stop = threading.Event()
-    with _forward_termination(stop):
+    with _hosts(config) as hosts, _forward_termination(stop):
+        mesh = Mesh(config, node_main, run_dir, hosts)
         first_port, *other_ports = free_ports(config.nodes)
         first = mesh.start_node(first_port, None, expect=config.nodes)
         for port in other_ports:
@@ -178,6 +187,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
         membership_events=[e for n in mesh.nodes for e in n.membership_events()],
     )
     report["chaos_events"] = mesh.chaos
+    report["links"] = _links(config, mesh.nodes)
     write_json(report_path, report)
     _print_summary(stream, mesh.nodes, results, report, report_path)
     if config.plot != "none":
@@ -210,6 +220,32 @@ def _watch(mesh: Mesh, schedule: list[ChaosAction], stop: threading.Event, table
         mesh.read_progress(wait)
     mesh.drain()
     table.update([n.row for n in mesh.nodes], header=f"t = {mesh.clock():6.1f} s", force=True)
+
+
+@contextmanager
+def _hosts(config: MeshConfig) -> Iterator[list[netns.Host] | None]:
+    """A namespace host per node, joiners' included, their uplinks capped (``--hosts netns``);
+    None for 127.0.0.1. Raises ConfigError where namespaces cannot be made."""
+    if config.hosts == "local":
+        yield None
+        return
+    why = netns.unavailable()
+    if why is not None:
+        raise ConfigError(f"--hosts netns: {why}; run as root, or use --hosts local")
+    with netns.lan(config.nodes + sum(action.count for action in config.join)) as hosts:
+        for rank, host in enumerate(hosts):
+            mbps = config.uplink_mbps(rank)
+            if mbps is not None:
+                netns.cap_bandwidth(host, f"{mbps:g}mbit")
+        yield hosts
+
+
+def _links(config: MeshConfig, nodes: list[NodeProcess]) -> dict[str, Any]:
+    """The report's ``links``: where the nodes ran and each node's uplink cap (Mbit/s)."""
+    return {
+        "hosts": config.hosts,
+        "uplink_mbps": {node.id: config.uplink_mbps(node.rank) for node in nodes},
+    }
 
 
 @contextmanager
