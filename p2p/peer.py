@@ -26,7 +26,8 @@ class Peer:
     members to join through; none: start a mesh of one), those of
     :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``), and
     ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off). ``curve``: keys for
-    CURVE on every socket (see ``p2p.security``); None runs insecure."""
+    CURVE on every socket (see ``p2p.security``); None runs insecure. ``max_send_bytes_per_s``:
+    a cap on what the node sends (``p2p.pacing``)."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class Peer:
         beacon_port: int = 0,
         mesh_name: str = "gossipmesh",
         curve: Curve | None = None,
+        max_send_bytes_per_s: float | None = None,
     ) -> None:
         self.transport = Transport(
             node_id,
@@ -53,6 +55,7 @@ class Peer:
             limits=limits,
             linger_s=linger_s,
             curve=curve,
+            max_send_bytes_per_s=max_send_bytes_per_s,
         )
         self.bootstrap = list(bootstrap)
         self.membership = Membership(

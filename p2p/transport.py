@@ -52,6 +52,7 @@ from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
 from p2p.connections import CONNECT_GRACE_S, HEARTBEAT_MS, Connection, Connections, Target, usable_at
 from p2p.identities import Identities
 from p2p.inbox import Inbox
+from p2p.pacing import SendPacer
 from p2p.ratelimit import QuietLog
 from p2p.rejections import Rejections
 from p2p.security import Authenticator, Curve, configure_server
@@ -152,6 +153,7 @@ class Transport:
         linger_s: how long :meth:`close` lets queued messages drain.
         curve: this node's keys and the trusted keys; None runs without CURVE (insecure).
         chunk_bytes: payloads larger than this go as a stream of chunks of this size.
+        max_send_bytes_per_s: a cap on what this node sends (``p2p.pacing``); None: none.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class Transport:
         linger_s: float = 1.0,
         curve: Curve | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        max_send_bytes_per_s: float | None = None,
     ) -> None:
         self.node_id = check_node_id(node_id)
         self.curve = curve
@@ -192,6 +195,9 @@ class Transport:
         self._assembler = Assembler()
         self._identities = Identities()
         self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
+        self._pacer = SendPacer(max_send_bytes_per_s) if max_send_bytes_per_s else None
+        self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
+        self._paused: set[Target] = set()  # streams waiting for the pacer
         self._poller = zmq.Poller()
         self._session = secrets.randbits(63)
         self._seq = itertools.count(1)
@@ -288,15 +294,21 @@ class Transport:
         fields: dict[str, Any] = {
             "kind": kind, "sender": self.node_id, "round": round, "tensors": tensors, "meta": meta
         }  # fmt: skip
+        if self._pacer is not None:  # encoded when it leaves (its seq then), see _release_paced
+            self.call_soon(lambda: self._hold(address, key, member, fields))
+            return
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
-            if sum(t.nbytes for t in tensors) <= self._chunk_bytes:
-                frames = encode(**fields, session=self._session, seq=next(self._seq))
-                self.call_soon(lambda: self._send_now(address, key, member, frames))
-            else:
-                chunks = encode_chunks(
-                    **fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes
-                )
-                self.call_soon(lambda: self._send_stream(address, key, member, chunks))
+            self.call_soon(self._encoded(address, key, member, fields))
+
+    def _encoded(
+        self, address: str, key: str | None, member: bool, fields: dict[str, Any]
+    ) -> Callable[[], None]:
+        """The message encoded (its sequence numbers taken now), as the send to run."""
+        if sum(t.nbytes for t in fields["tensors"]) <= self._chunk_bytes:
+            frames = encode(**fields, session=self._session, seq=next(self._seq))
+            return lambda: self._send_now(address, key, member, frames)
+        chunks = encode_chunks(**fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes)
+        return lambda: self._send_stream(address, key, member, chunks)
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         """The oldest inbox message (of one of ``kinds``, if given), or None after ``timeout``
@@ -374,6 +386,8 @@ class Transport:
         due_ms = int((min(self._next_tick, self._next_housekeeping, self._stop_at) - time.monotonic()) * 1000)
         if self.connections.waiting:  # messages wait for a connection to come up: look again soon
             due_ms = min(due_ms, _FLUSH_MS)
+        if self._pacer is not None and (self._held or self._paused):
+            due_ms = min(due_ms, math.ceil(self._pacer.wait_s() * 1000))
         events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
         if router in events:
             self._drain(router)
@@ -385,6 +399,7 @@ class Transport:
         for target in [t for t in self._streams if self._socket_of(t) in events]:
             self._guarded("stream", lambda target=target: self._feed(target))  # type: ignore[misc]
         self._run_commands()
+        self._release_paced()
         for _ in range(self.connections.flush()):
             self.stats.drop("peer_unreachable_or_full")
         now = time.monotonic()
@@ -484,8 +499,41 @@ class Transport:
         """Close the connections to ``address``, dropping what is queued (network thread only)."""
         self.connections.close_address(address)
 
+    def _hold(self, address: str, key: str | None, member: bool, fields: dict[str, Any]) -> None:
+        """With a send cap: a service's message (membership: small, and late it would make
+        peers suspect this node) leaves now; the others wait their turn (network thread)."""
+        if fields["kind"] in self._services:
+            self._encoded(address, key, member, fields)()
+        else:
+            self._held.append(lambda: self._encoded(address, key, member, fields)())
+            self._release_paced()
+
+    def _count_sent(self, nbytes: int) -> None:
+        self.stats.bytes_sent += nbytes
+        if self._pacer is not None:
+            self._pacer.spend(nbytes)
+
+    def _release_paced(self) -> None:
+        """What waited for the pacer and may go now: paused streams first, then held sends.
+        Held messages are encoded as they leave, so sequence numbers go out in order whatever
+        passed them (a service's messages)."""
+        pacer = self._pacer
+        if pacer is None:
+            return
+        for target in [t for t in self._paused if pacer.wait_s() == 0]:
+            self._paused.discard(target)
+            self._feed(target)
+        while self._held and pacer.wait_s() == 0:
+            self._guarded("command", self._held.popleft())
+
     def _send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
         targets = self.connections.targets(address, key)
+        behind_a_stream = [t for t in targets if t in self._streams]
+        for target in behind_a_stream:  # it goes after what is being streamed there, in order
+            self._streams[target].append(deque([frames]))
+        targets = [t for t in targets if t not in self._streams]
+        if behind_a_stream and not targets:
+            return
         sent = sum(self.connections.send(target, frames, verified=member) for target in targets)
         if not targets:
             self.stats.drop("untrusted_key")
@@ -495,7 +543,7 @@ class Transport:
                 self.on_unreachable(address)
         else:
             self.stats.messages_sent += 1
-            self.stats.bytes_sent += sum(_nbytes(f) for f in frames)
+            self._count_sent(sum(_nbytes(f) for f in frames))
 
     def _send_stream(self, address: str, key: str | None, member: bool, chunks: list[list[Any]]) -> None:
         targets = self.connections.targets(address, key)
@@ -521,6 +569,11 @@ class Transport:
         dealer = connection.socket
         while streams:
             chunks = streams[0]
+            if self._pacer is not None and self._pacer.wait_s() > 0:
+                self._paused.add(target)
+                if dealer in self._poller:
+                    self._poller.unregister(dealer)
+                return
             try:
                 dealer.send_multipart(chunks[0], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -528,7 +581,7 @@ class Transport:
                     self._poller.register(dealer, zmq.POLLOUT)
                 return
             connection.used = time.monotonic()
-            self.stats.bytes_sent += sum(_nbytes(f) for f in chunks.popleft())
+            self._count_sent(sum(_nbytes(f) for f in chunks.popleft()))
             if not chunks:
                 streams.popleft()
                 self.stats.messages_sent += 1
@@ -542,6 +595,7 @@ class Transport:
 
     def _closed(self, target: Target, connection: Connection) -> None:
         """A connection is being closed: forget what it had left to send."""
+        self._paused.discard(target)
         if self._streams.pop(target, None):
             self.stats.drop("stream_connection_closed")
         if connection.socket in self._poller:

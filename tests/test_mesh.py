@@ -143,3 +143,25 @@ def test_mesh_runs_on_every_topology(name: str, tmp_path: Path, no_other_threads
         )
         assert node["final"]["accuracy"] > 0.5
     assert report["consensus_distance"] < 0.2
+
+
+@pytest.mark.mesh
+def test_a_send_cap_holds_each_node_to_its_rate(tmp_path: Path) -> None:
+    """--max-send-mbps 2 on a mesh whose rounds would go far faster: every node sends at 2
+    Mbit/s (within 10%) while all train, with no membership message late enough to suspect."""
+    argv = ["mesh", "--nodes", "3", "--max-send-mbps", "2", "--duration", "10", "--insecure"]
+    assert main([*argv, "--run-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    nodes = report["nodes"]
+    start, end = 3.0, min(n["timeline"][-1]["t"] for n in nodes)  # while every node trains
+
+    def point(timeline: list[dict[str, float]], t: float) -> dict[str, float]:
+        return max((p for p in timeline if p["t"] <= t), key=lambda p: p["t"])
+
+    for node in nodes:
+        first, last = point(node["timeline"], start), point(node["timeline"], end)
+        mbps = (last["bytes_sent"] - first["bytes_sent"]) * 8 / (last["t"] - first["t"]) / 1e6
+        print(f"{node['id']} sent {mbps:.3f} Mbit/s under its 2 Mbit/s cap")
+        assert 0.9 * 2 <= mbps <= 1.1 * 2
+        assert node["status"] == "finished" and not node["rejected_by_reason"]
+    assert not [e for e in report["membership_events"] if e["event"] in ("suspected", "dead")]

@@ -26,6 +26,7 @@ from helpers import (
 from gossip import DPSGD
 from p2p import Peer, Transport, TransportError
 from p2p.address import AddressError, parse_endpoint
+from p2p.pacing import SendPacer
 from p2p.wire import encode
 from topologies import Topology
 
@@ -187,3 +188,18 @@ def test_a_leave_names_the_last_round_its_sender_took_part_in() -> None:
         c.close()  # a second leave is not sent: the first one stands
         time.sleep(0.2)
         assert a.members(5) == {"a", "b", "c"}
+
+
+def test_the_send_pacer_goes_into_debt_for_a_send_and_refills_at_its_rate() -> None:
+    now = [0.0]
+    pacer = SendPacer(1000.0, clock=lambda: now[0])  # 1,000 bytes a second, 50 in the bucket
+    assert pacer.wait_s() == 0
+    pacer.spend(1050)  # a message leaves whole: the bucket owes 1,000 bytes
+    assert pacer.wait_s() == pytest.approx(1.0)
+    now[0] = 0.6
+    assert pacer.wait_s() == pytest.approx(0.4)
+    now[0] = 10.0  # idle: the bucket holds at most 50 ms of the rate, not 10 s
+    pacer.spend(100)
+    assert pacer.wait_s() == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="a send cap must be > 0 bytes/s"):
+        SendPacer(0)

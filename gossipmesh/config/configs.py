@@ -126,6 +126,7 @@ class TrainConfig(Averaging, LocalSGD):
     startup_timeout: float = o.STARTUP_TIMEOUT.field()
     eval_interval: float = o.EVAL_INTERVAL.field()
     profile: str = o.PROFILE.field()
+    max_send_mbps: float | None = o.MAX_SEND_MBPS.field()
     device: str = o.DEVICE.field()
     dtype: Precision = o.DTYPE.field()
 

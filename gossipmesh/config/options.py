@@ -167,6 +167,12 @@ COMPUTE_MS = Option(
 STARTUP_TIMEOUT = Option(_POSITIVE, "longest wait for the bootstrap peers, s", 60.0)
 EVAL_INTERVAL = Option(_POSITIVE, "seconds between timeline points", 0.25)
 PROFILE = Option(choice(PROFILES), f"failure-detector timings: {', '.join(PROFILES)}", "local")
+MAX_SEND_MBPS = Option(
+    _POSITIVE,
+    "cap what the node sends at MBPS Mbit/s (a token bucket in its network thread), to share an "
+    "uplink (default: no cap)",
+    metavar="MBPS",
+)
 DTYPE = Option(
     lambda text: Precision(choice(PRECISIONS)(text)),
     "the model's parameter dtype: float32, bfloat16, float16, or mixed (weight matrices in "

@@ -56,6 +56,7 @@ def make_peer(
         beacon_port=config.beacon,
         mesh_name=config.mesh_name,
         curve=curve,
+        max_send_bytes_per_s=config.max_send_mbps * 1e6 / 8 if config.max_send_mbps else None,
     )
 
 
