@@ -52,6 +52,7 @@ from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
 from p2p.connections import CONNECT_GRACE_S, HEARTBEAT_MS, Connection, Connections, Target, usable_at
 from p2p.identities import Identities
 from p2p.inbox import Inbox
+from p2p.outbound import Outbound
 from p2p.pacing import SendPacer
 from p2p.ratelimit import QuietLog
 from p2p.rejections import Rejections
@@ -76,7 +77,6 @@ _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
 _HOUSEKEEPING_S = 1.0
 _FLUSH_MS = 10
-MAX_STREAMS_PER_PEER = 4  # streams waiting for one peer's socket; more drop the oldest
 
 
 class TransportError(RuntimeError):
@@ -194,10 +194,6 @@ class Transport:
         self.stopped = threading.Event()  # set when the network thread has ended, for any reason
         self._assembler = Assembler()
         self._identities = Identities()
-        self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
-        self._pacer = SendPacer(max_send_bytes_per_s) if max_send_bytes_per_s else None
-        self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
-        self._paused: set[Target] = set()  # streams waiting for the pacer
         self._poller = zmq.Poller()
         self._session = secrets.randbits(63)
         self._seq = itertools.count(1)
@@ -218,6 +214,14 @@ class Transport:
             send_queue=send_queue,
             linger_ms=self._linger_ms,
             on_close=self._closed,
+        )
+        self._outbound = Outbound(
+            self.connections,
+            self._poller,
+            self.stats,
+            SendPacer(max_send_bytes_per_s) if max_send_bytes_per_s else None,
+            self._guarded,
+            lambda address: self.on_unreachable(address) if self.on_unreachable is not None else None,
         )
         self._authenticator: Authenticator | None = None
         self._errors = QuietLog(log)
@@ -294,7 +298,7 @@ class Transport:
         fields: dict[str, Any] = {
             "kind": kind, "sender": self.node_id, "round": round, "tensors": tensors, "meta": meta
         }  # fmt: skip
-        if self._pacer is not None:  # encoded when it leaves (its seq then), see _release_paced
+        if self._outbound.paced:  # encoded when it leaves (its seq then), see _hold
             self.call_soon(lambda: self._hold(address, key, member, fields))
             return
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
@@ -306,9 +310,9 @@ class Transport:
         """The message encoded (its sequence numbers taken now), as the send to run."""
         if sum(t.nbytes for t in fields["tensors"]) <= self._chunk_bytes:
             frames = encode(**fields, session=self._session, seq=next(self._seq))
-            return lambda: self._send_now(address, key, member, frames)
+            return lambda: self._outbound.send_now(address, key, member, frames)
         chunks = encode_chunks(**fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes)
-        return lambda: self._send_stream(address, key, member, chunks)
+        return lambda: self._outbound.send_stream(address, key, member, chunks)
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         """The oldest inbox message (of one of ``kinds``, if given), or None after ``timeout``
@@ -386,8 +390,9 @@ class Transport:
         due_ms = int((min(self._next_tick, self._next_housekeeping, self._stop_at) - time.monotonic()) * 1000)
         if self.connections.waiting:  # messages wait for a connection to come up: look again soon
             due_ms = min(due_ms, _FLUSH_MS)
-        if self._pacer is not None and (self._held or self._paused):
-            due_ms = min(due_ms, math.ceil(self._pacer.wait_s() * 1000))
+        paced_ms = self._outbound.due_ms()
+        if paced_ms is not None:  # sends wait for the send cap
+            due_ms = min(due_ms, paced_ms)
         events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
         if router in events:
             self._drain(router)
@@ -396,10 +401,10 @@ class Transport:
         for fd, on_readable in self._readers.items():
             if fd in events:
                 self._guarded("reader", on_readable)
-        for target in [t for t in self._streams if self._socket_of(t) in events]:
-            self._guarded("stream", lambda target=target: self._feed(target))  # type: ignore[misc]
+        for target in self._outbound.writable(events):
+            self._guarded("stream", lambda target=target: self._outbound.feed(target))  # type: ignore[misc]
         self._run_commands()
-        self._release_paced()
+        self._outbound.release()
         for _ in range(self.connections.flush()):
             self.stats.drop("peer_unreachable_or_full")
         now = time.monotonic()
@@ -501,105 +506,15 @@ class Transport:
 
     def _hold(self, address: str, key: str | None, member: bool, fields: dict[str, Any]) -> None:
         """With a send cap: a service's message (membership: small, and late it would make
-        peers suspect this node) leaves now; the others wait their turn (network thread)."""
+        peers suspect this node) leaves now; the others wait their turn, encoded as they leave
+        so that sequence numbers go out in order whatever passed them (network thread)."""
         if fields["kind"] in self._services:
             self._encoded(address, key, member, fields)()
         else:
-            self._held.append(lambda: self._encoded(address, key, member, fields)())
-            self._release_paced()
-
-    def _count_sent(self, nbytes: int) -> None:
-        self.stats.bytes_sent += nbytes
-        if self._pacer is not None:
-            self._pacer.spend(nbytes)
-
-    def _release_paced(self) -> None:
-        """What waited for the pacer and may go now: paused streams first, then held sends.
-        Held messages are encoded as they leave, so sequence numbers go out in order whatever
-        passed them (a service's messages)."""
-        pacer = self._pacer
-        if pacer is None:
-            return
-        for target in [t for t in self._paused if pacer.wait_s() == 0]:
-            self._paused.discard(target)
-            self._feed(target)
-        while self._held and pacer.wait_s() == 0:
-            self._guarded("command", self._held.popleft())
-
-    def _send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
-        targets = self.connections.targets(address, key)
-        behind_a_stream = [t for t in targets if t in self._streams]
-        for target in behind_a_stream:  # it goes after what is being streamed there, in order
-            self._streams[target].append(deque([frames]))
-        targets = [t for t in targets if t not in self._streams]
-        if behind_a_stream and not targets:
-            return
-        sent = sum(self.connections.send(target, frames, verified=member) for target in targets)
-        if not targets:
-            self.stats.drop("untrusted_key")
-        elif not sent:
-            self.stats.drop("peer_unreachable_or_full")
-            if self.on_unreachable is not None:
-                self.on_unreachable(address)
-        else:
-            self.stats.messages_sent += 1
-            self._count_sent(sum(_nbytes(f) for f in frames))
-
-    def _send_stream(self, address: str, key: str | None, member: bool, chunks: list[list[Any]]) -> None:
-        targets = self.connections.targets(address, key)
-        if len(targets) != 1:  # CURVE, and the peer's key not known (or not trusted)
-            self.stats.drop("peer_key_unknown")
-            return
-        (target,) = targets
-        self.connections.get(target, verified=member)
-        streams = self._streams.setdefault(target, deque())
-        if len(streams) >= MAX_STREAMS_PER_PEER:
-            streams.popleft()  # its receiver discards the unfinished stream when the next begins
-            self.stats.drop("stream_backlog")
-        streams.append(deque(chunks))
-        self._feed(target)
-
-    def _feed(self, target: Target) -> None:
-        """Send the peer's waiting chunks while its socket takes them; then wait for room."""
-        streams = self._streams.get(target)
-        connection = self.connections.find(target)
-        if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
-            self._streams.pop(target, None)
-            return
-        dealer = connection.socket
-        while streams:
-            chunks = streams[0]
-            if self._pacer is not None and self._pacer.wait_s() > 0:
-                self._paused.add(target)
-                if dealer in self._poller:
-                    self._poller.unregister(dealer)
-                return
-            try:
-                dealer.send_multipart(chunks[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                if dealer not in self._poller:
-                    self._poller.register(dealer, zmq.POLLOUT)
-                return
-            connection.used = time.monotonic()
-            self._count_sent(sum(_nbytes(f) for f in chunks.popleft()))
-            if not chunks:
-                streams.popleft()
-                self.stats.messages_sent += 1
-        self._streams.pop(target, None)
-        if dealer in self._poller:
-            self._poller.unregister(dealer)
-
-    def _socket_of(self, target: Target) -> zmq.Socket[bytes] | None:
-        connection = self.connections.find(target)
-        return connection.socket if connection is not None else None
+            self._outbound.hold(lambda: self._encoded(address, key, member, fields)())
 
     def _closed(self, target: Target, connection: Connection) -> None:
-        """A connection is being closed: forget what it had left to send."""
-        self._paused.discard(target)
-        if self._streams.pop(target, None):
-            self.stats.drop("stream_connection_closed")
-        if connection.socket in self._poller:
-            self._poller.unregister(connection.socket)
+        self._outbound.closed(target, connection)
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -630,10 +545,6 @@ def _user_id(frame: zmq.Frame) -> str:
         return str(frame.get("User-Id"))
     except zmq.ZMQError:
         return ""
-
-
-def _nbytes(frame: Any) -> int:
-    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
 def _bind_error(listen: str, exc: zmq.ZMQError) -> TransportError:

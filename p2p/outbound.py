@@ -1,0 +1,168 @@
+"""What a node sends, on its network thread: whole messages at once, streams of chunks as each
+peer's socket takes them (``ZMQ_SNDHWM``), everything under the send cap when there is one
+(``p2p.pacing``).
+
+Per peer, what is sent keeps its order (a receiver takes only increasing sequence numbers): a
+message for a peer that a stream is being fed to goes after the stream; under a cap, messages
+wait in one queue and streams pause between chunks, paused streams going before waiting
+messages.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from p2p.connections import Connection, Connections, Target
+from p2p.pacing import SendPacer
+
+if TYPE_CHECKING:
+    from p2p.transport import TransportStats
+
+MAX_STREAMS_PER_PEER = 4  # streams queued to one peer; beyond, the oldest unfinished one is dropped
+
+
+class Outbound:
+    """Args:
+    connections: the node's connections.
+    poller: the network thread's poller (a stream waiting for room polls its socket for output).
+    stats: counted into: bytes and messages sent, what was dropped.
+    pacer: the send cap, or None.
+    guarded: runs a send in the transport's error scope.
+    unreachable: called with an address no message could be queued to.
+    """
+
+    def __init__(
+        self,
+        connections: Connections,
+        poller: zmq.Poller,
+        stats: TransportStats,
+        pacer: SendPacer | None,
+        guarded: Callable[[str, Callable[[], None]], None],
+        unreachable: Callable[[str], None],
+    ) -> None:
+        self._connections, self._poller, self._stats, self._pacer = connections, poller, stats, pacer
+        self._guarded, self._unreachable = guarded, unreachable
+        self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
+        self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
+        self._paused: set[Target] = set()  # streams waiting for the pacer
+
+    @property
+    def paced(self) -> bool:
+        return self._pacer is not None
+
+    def due_ms(self) -> int | None:
+        """When what waits for the pacer may go (None: nothing waits)."""
+        if self._pacer is None or not (self._held or self._paused):
+            return None
+        return math.ceil(self._pacer.wait_s() * 1000)
+
+    def hold(self, send: Callable[[], None]) -> None:
+        """Run ``send`` in its turn under the cap (it encodes as it leaves, see the transport)."""
+        self._held.append(send)
+        self.release()
+
+    def release(self) -> None:
+        """What waited for the pacer and may go now: paused streams first, then held sends."""
+        pacer = self._pacer
+        if pacer is None:
+            return
+        for target in [t for t in self._paused if pacer.wait_s() == 0]:
+            self._paused.discard(target)
+            self.feed(target)
+        while self._held and pacer.wait_s() == 0:
+            self._guarded("command", self._held.popleft())
+
+    def send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
+        targets = self._connections.targets(address, key)
+        behind_a_stream = [t for t in targets if t in self._streams]
+        for target in behind_a_stream:
+            self._streams[target].append(deque([frames]))
+        targets = [t for t in targets if t not in self._streams]
+        if behind_a_stream and not targets:
+            return
+        sent = sum(self._connections.send(target, frames, verified=member) for target in targets)
+        if not targets:
+            self._stats.drop("untrusted_key")
+        elif not sent:
+            self._stats.drop("peer_unreachable_or_full")
+            self._unreachable(address)
+        else:
+            self._stats.messages_sent += 1
+            self._count_sent(sum(_nbytes(f) for f in frames))
+
+    def send_stream(self, address: str, key: str | None, member: bool, chunks: list[list[Any]]) -> None:
+        targets = self._connections.targets(address, key)
+        if len(targets) != 1:  # CURVE, and the peer's key not known (or not trusted)
+            self._stats.drop("peer_key_unknown")
+            return
+        (target,) = targets
+        self._connections.get(target, verified=member)
+        streams = self._streams.setdefault(target, deque())
+        if len(streams) >= MAX_STREAMS_PER_PEER:
+            streams.popleft()  # its receiver discards the unfinished stream when the next begins
+            self._stats.drop("stream_backlog")
+        streams.append(deque(chunks))
+        self.feed(target)
+
+    def writable(self, events: dict[Any, int]) -> list[Target]:
+        """The peers with streams whose sockets have room again."""
+        return [t for t in self._streams if self._socket_of(t) in events]
+
+    def feed(self, target: Target) -> None:
+        """Send the peer's waiting chunks while its socket takes them (and the cap allows);
+        then wait for room (or for the pacer)."""
+        streams = self._streams.get(target)
+        connection = self._connections.find(target)
+        if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
+            self._streams.pop(target, None)
+            return
+        dealer = connection.socket
+        while streams:
+            chunks = streams[0]
+            if self._pacer is not None and self._pacer.wait_s() > 0:
+                self._paused.add(target)
+                self._unpoll(dealer)
+                return
+            try:
+                dealer.send_multipart(chunks[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if dealer not in self._poller:
+                    self._poller.register(dealer, zmq.POLLOUT)
+                return
+            connection.used = time.monotonic()
+            self._count_sent(sum(_nbytes(f) for f in chunks.popleft()))
+            if not chunks:
+                streams.popleft()
+                self._stats.messages_sent += 1
+        self._streams.pop(target, None)
+        self._unpoll(dealer)
+
+    def closed(self, target: Target, connection: Connection) -> None:
+        """A connection is being closed: forget what it had left to send."""
+        self._paused.discard(target)
+        if self._streams.pop(target, None):
+            self._stats.drop("stream_connection_closed")
+        self._unpoll(connection.socket)
+
+    def _count_sent(self, nbytes: int) -> None:
+        self._stats.bytes_sent += nbytes
+        if self._pacer is not None:
+            self._pacer.spend(nbytes)
+
+    def _socket_of(self, target: Target) -> zmq.Socket[bytes] | None:
+        connection = self._connections.find(target)
+        return connection.socket if connection is not None else None
+
+    def _unpoll(self, socket: zmq.Socket[bytes]) -> None:
+        if socket in self._poller:
+            self._poller.unregister(socket)
+
+
+def _nbytes(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
