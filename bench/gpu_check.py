@@ -4,11 +4,14 @@
     python bench/gpu_check.py --device cpu    # the same checks through the staged path on the CPU
 
 1. Mixing through the pinned host copy: a node on the device and a node on the CPU averaging
-   (D-PSGD, lr 0) on an in-memory network keep the exact mean of their models and meet.
-2. A real mesh of 3 daemons with node 0 on the device trains every node to the target accuracy:
-   with D-PSGD (mixing the pinned host copy) and with CHOCO int8 (mixing on the device itself
-   when cupy is installed; see ``bench/gpu_codec.py`` for the codecs alone).
-3. Copy throughput between the device and the pinned host copy (GB/s), per model size.
+   (D-PSGD, lr 0) on an in-memory network keep the exact mean of their models and meet; the
+   same in bfloat16 (the mean within a bfloat16 rounding: mixing accumulates in float32).
+2. A newcomer whose model is on the device takes an AdamW state from a member on the CPU (and the
+   other way round), read chunk by chunk from the live model: every value arrives exactly.
+3. A real mesh of 3 daemons with node 0 on the device trains every node to the target accuracy:
+   with D-PSGD (mixing the pinned host copy), in bfloat16 (``--dtype bfloat16``) and with CHOCO
+   int8 (mixing on the device itself when cupy is installed; see ``bench/gpu_codec.py``).
+4. Copy throughput between the device and the pinned host copy (GB/s), per model size.
 """
 
 from __future__ import annotations
@@ -27,17 +30,24 @@ from gossipmesh.sim.memory import MemoryNetwork
 
 TARGET = 0.93
 SIZES = (10**6, 10**7, 10**8)
-MESHES = {"dpsgd": [], "choco int8": ["--algorithm", "choco", "--compression", "int8"]}
+MESHES = {
+    "dpsgd": [],
+    "dpsgd bfloat16": ["--dtype", "bfloat16"],
+    "choco int8": ["--algorithm", "choco", "--compression", "int8"],
+}
+BFLOAT16_STEP = 2.0**-7  # relative spacing of bfloat16 values
 
 
-def check_mixing(device: str, rounds: int = 40) -> tuple[float, float]:
+def check_mixing(device: str, dtype: torch.dtype = torch.float32, rounds: int = 40) -> tuple[float, float]:
     """The error of the mean (relative) and the distance between the two nodes after ``rounds``."""
     network = MemoryNetwork()
     models = []
     for seed, where in ((0, device), (1, "cpu")):
         torch.manual_seed(seed)
-        models.append(torch.nn.Linear(256, 256).to(where))
-    start = [torch.cat([p.detach().cpu().reshape(-1) for p in m.parameters()]).numpy() for m in models]
+        models.append(torch.nn.Linear(256, 256).to(where, dtype))
+    start = [
+        torch.cat([p.detach().cpu().reshape(-1).double() for p in m.parameters()]).numpy() for m in models
+    ]
     optimizers = [
         GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=network.join(name), staged=True)
         for m, name in zip(models, ("gpu", "cpu"), strict=True)
@@ -52,10 +62,49 @@ def check_mixing(device: str, rounds: int = 40) -> tuple[float, float]:
         thread.start()
     for thread in threads:
         thread.join()
-    finals = [o.flat.tensor.detach().cpu().numpy() for o in optimizers]
+    finals = [o.flat.tensor.detach().cpu().double().numpy() for o in optimizers]
     mean = (start[0] + start[1]) / 2
     error = float(np.abs((finals[0] + finals[1]) / 2 - mean).max() / np.abs(mean).max())
     return error, float(np.abs(finals[0] - finals[1]).max())
+
+
+def check_state_transfer(device: str) -> bool:
+    """Both ways between the device and the CPU: a newcomer's parameters and AdamW state equal
+    its source's, taken chunk by chunk from the source's live model."""
+    exact = True
+    for source_on, newcomer_on in ((device, "cpu"), ("cpu", device)):
+        network = MemoryNetwork()
+        optimizers = []
+        for name, where in (("source", source_on), ("newcomer", newcomer_on)):
+            torch.manual_seed(0 if name == "source" else 1)
+            model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 10)).to(where)
+            optimizers.append(GossipOptimizer(torch.optim.AdamW(model.parameters()), peer=network.join(name)))
+        source, newcomer = optimizers
+        for param in source.param_groups[0]["params"]:
+            param.grad = torch.ones_like(param)
+        source.optimizer.step()
+        source.local_steps = 7
+        done = threading.Event()
+        serving = threading.Thread(target=_serve_until, args=(source, done))
+        serving.start()
+        try:
+            newcomer.join_from(["source"], timeout=30)
+        finally:
+            done.set()
+            serving.join()
+        for ours, theirs in zip(
+            newcomer.param_groups[0]["params"], source.param_groups[0]["params"], strict=True
+        ):
+            exact &= torch.equal(ours.detach().cpu(), theirs.detach().cpu())
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                exact &= torch.equal(newcomer.state[ours][key].cpu(), source.state[theirs][key].cpu())
+        exact &= newcomer.local_steps == 7
+    return exact
+
+
+def _serve_until(optimizer: GossipOptimizer, done: threading.Event) -> None:
+    while not done.is_set():
+        optimizer.serve_state(0.05)
 
 
 def check_mesh(device: str, flags: list[str]) -> list[float]:
@@ -95,10 +144,16 @@ def main() -> int:
         )
         return 2
     failures = 0
-    error, gap = check_mixing(device)
-    ok = error < 1e-6 and gap < 1e-6
+    for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, BFLOAT16_STEP)):
+        error, gap = check_mixing(device, dtype)
+        ok = error < bound and gap < bound * 4
+        failures += not ok
+        verdict = "ok" if ok else "FAILED"
+        print(f"mixing {device} with cpu, {dtype}: mean error {error:.2e}, gap {gap:.2e}  {verdict}")
+    ok = check_state_transfer(device)
     failures += not ok
-    print(f"mixing {device} with cpu: mean error {error:.2e}, gap {gap:.2e}  {'ok' if ok else 'FAILED'}")
+    verdict = "exact  ok" if ok else "not exact  FAILED"
+    print(f"state transfer {device} <-> cpu, AdamW: {verdict}")
     for name, flags in MESHES.items():
         accuracies = check_mesh(device, flags)
         ok = min(accuracies) >= TARGET
