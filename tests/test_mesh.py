@@ -55,6 +55,9 @@ def test_default_mesh_trains_every_node_to_target(tmp_path: Path) -> None:
     # the nodes trained on different shards but agree: their accuracies are within 2 points
     accuracies = [n["final"]["accuracy"] for n in nodes]
     assert max(accuracies) - min(accuracies) <= 0.02
+    # the mean of the final models, evaluated by the launcher: no worse than its worst node
+    assert report["average_model"]["accuracy"] >= min(accuracies) - 0.01
+    assert "of the average model" in result.stdout
 
 
 @pytest.mark.mesh

@@ -179,13 +179,15 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     results = [node.result() for node in mesh.nodes]
     ended = [r for r in results if r["status"] in ("finished", "killed")]
     finished = [n for n, r in zip(mesh.nodes, results, strict=True) if r["status"] == "finished"]
+    finals = [np.load(n.params, allow_pickle=False) for n in finished if n.params.exists()]
     report = build_report(
         wall_time_s=round(mesh.clock(), 3),
         config=summary(config),
         nodes=results,
-        consensus_distance=_consensus([n.params for n in finished if n.params.exists()]),
+        consensus_distance=round(consensus_distance(finals), 8) if finals else None,
         membership_events=[e for n in mesh.nodes for e in n.membership_events()],
     )
+    report["average_model"] = _average_model(config, finals)
     report["chaos_events"] = mesh.chaos
     report["links"] = _links(config, mesh.nodes)
     write_json(report_path, report)
@@ -267,11 +269,22 @@ def _preload_for_nodes() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def _consensus(param_files: list[Path]) -> float | None:
-    if not param_files:
+def _average_model(config: MeshConfig, finals: list[np.ndarray]) -> dict[str, float] | None:
+    """Held-out loss and accuracy of the mean of the finished nodes' final models: what the mesh
+    has learnt as a whole (a node's own model is within its consensus distance of it)."""
+    if not finals:
         return None
-    vectors = [np.load(path, allow_pickle=False) for path in param_files]
-    return round(consensus_distance(vectors), 8)
+    task = config.task.make()
+    model = config.dtype.apply(task.model(config.seed))
+    mean = torch.from_numpy(np.mean(finals, axis=0))
+    offset = 0
+    with torch.no_grad():
+        for param in model.parameters():  # (the order of gossip.flat.host_vector)
+            param.copy_(mean[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        with config.dtype.autocast(torch.device("cpu")):
+            evaluation = task.evaluate(model)
+    return {"loss": round(evaluation.loss, 6), "accuracy": round(evaluation.accuracy, 6)}
 
 
 def _print_summary(
@@ -286,10 +299,10 @@ def _print_summary(
     line = f"\nmesh done in {report['wall_time_s']:.1f} s: {len(accuracies)}/{len(nodes)} nodes finished"
     line += f", {killed} killed" if killed else ""
     if accuracies:
-        line += (
-            f"; held-out accuracy min {min(accuracies):.3f}, mean {np.mean(accuracies):.3f}; "
-            f"consensus distance {report['consensus_distance']:.2e}"
-        )
+        line += f"; held-out accuracy min {min(accuracies):.3f}, mean {np.mean(accuracies):.3f}"
+        if report["average_model"] is not None:
+            line += f", of the average model {report['average_model']['accuracy']:.3f}"
+            line += f"; consensus distance {report['consensus_distance']:.2e}"
     print(line, file=stream)
     for node, result in zip(nodes, results, strict=True):
         if result["status"] not in ("finished", "killed"):
