@@ -31,11 +31,11 @@ from gossipmesh.cli.main import USER_ERRORS
 from gossipmesh.config import NodeConfig, summary
 from gossipmesh.console import emit, say
 from gossipmesh.daemon.checkpoint import load_newest
+from gossipmesh.daemon.lifecycle import Entry
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.peers import default_id, make_peer
 from gossipmesh.daemon.status_server import StatusServer
 from gossipmesh.daemon.trainer import Trainer
-from gossipmesh.lifecycle import Entry
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_json
 from p2p import Peer
 from p2p.security import insecure_warning

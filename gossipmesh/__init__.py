@@ -27,8 +27,8 @@ from gossip import (
 )
 from gossip.flat import host_vector
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
+from gossipmesh.daemon.lifecycle import Session
 from gossipmesh.daemon.peers import connect
-from gossipmesh.lifecycle import Session
 from gossipmesh.tasks import IID, Batches, DataPartition, Evaluation, Shard, Task, TaskRef, partition_indices
 from p2p import Peer
 from topologies import SpecError, Topology, member_order

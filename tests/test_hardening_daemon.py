@@ -24,10 +24,10 @@ import gossipmesh.daemon.status_server
 import gossipmesh.daemon.trainer
 import node
 from gossipmesh.config import NodeConfig, node_config
+from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.status_server import MAX_CONNECTIONS, StatusServer
 from gossipmesh.daemon.trainer import Trainer
-from gossipmesh.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p import Peer, TransportError
 from p2p.membership import NOT_YET

@@ -20,8 +20,8 @@ from gossip.state import MAX_WINDOW, REQUEST, Snapshot, StateTransferError
 from gossip.state_fetch import fetch_state
 from gossip.state_server import MAX_TRANSFERS, StateServer
 from gossipmesh.config import NodeConfig
+from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.daemon.trainer import Trainer
-from gossipmesh.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from topologies import Topology
 

@@ -27,10 +27,10 @@ from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
 from gossipmesh.daemon.checkpoint import Checkpoint
+from gossipmesh.daemon.lifecycle import restore_state, save_state
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.pacing import StepPacer
 from gossipmesh.daemon.recorder import Recorder
-from gossipmesh.lifecycle import restore_state, save_state
 from gossipmesh.report import Progress, TimelinePoint
 from gossipmesh.tasks import Batches, Evaluation, Task
 from p2p import Peer
@@ -103,7 +103,7 @@ class Trainer:
         )
 
     def checkpoint(self) -> None:
-        """Write a checkpoint to the state folder (see ``gossipmesh.lifecycle.save_state``)."""
+        """Write a checkpoint to the state folder (see ``gossipmesh.daemon.lifecycle.save_state``)."""
         assert self.config.state_dir is not None and self._batches is not None
         pass_start, used = self._batches.position()
         save_state(
