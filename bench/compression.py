@@ -9,7 +9,11 @@ compressed arms run CHOCO-SGD with its default consensus step size unless the ar
 (γ); ``H=...`` arms take H local steps between gossip rounds with the outer Nesterov step
 (``overlap``: the round's models are mixed one round later, communication behind the steps).
 
+Also per arm: local steps and seconds (mesh clock) until every node is at the target.
+``--partition dirichlet:0.5`` trains every arm on label-skewed shards.
+
     python bench/compression.py [--nodes 8] [--steps 800] [--target 0.93] [--arms dpsgd,int8,...]
+                                [--partition iid|dirichlet:ALPHA]
 """
 
 from __future__ import annotations
@@ -45,16 +49,16 @@ class Result:
     nodes: list[dict[str, Any]]
     seconds: float
 
-    def first_at(self, target: float, key: str) -> float:
-        """Mean over nodes of ``key`` at each node's first point at or above ``target``
-        (inf when some node never got there)."""
+    def first_at(self, target: float, key: str, combine: Any = None) -> float:
+        """``key`` at each node's first point at or above ``target``, averaged over the nodes
+        (or ``combine``d: ``max``); inf when some node never got there."""
         values = []
         for node in self.nodes:
             point = next((p for p in node["timeline"] if p["accuracy"] >= target), None)
             if point is None:
                 return math.inf
             values.append(point[key])
-        return sum(values) / len(values)
+        return combine(values) if combine is not None else sum(values) / len(values)
 
     @property
     def final(self) -> float:
@@ -69,15 +73,16 @@ def table(results: list[Result], target: float) -> list[str]:
     base = next(r for r in results if r.arm == "dpsgd")
     base_bytes, base_rounds = base.first_at(target, "bytes_sent"), base.first_at(target, "round")
     lines = [
-        f"{'arm':<16} {'MB to target':>12} {'x fewer':>8} {'rounds':>7} {'x fewer':>8} "
-        f"{'final acc':>9} {'loss pts':>8} {'MB total':>9} {'run s':>6}"
+        f"{'arm':<16} {'MB to target':>12} {'x fewer':>8} {'rounds':>7} {'x fewer':>8} {'steps':>6} "
+        f"{'s to target':>11} {'final acc':>9} {'loss pts':>8} {'MB total':>9} {'run s':>6}"
     ]
     for r in results:
         mb, rounds = r.first_at(target, "bytes_sent") / 1e6, r.first_at(target, "round")
+        steps, seconds = r.first_at(target, "step"), r.first_at(target, "t", max)
         lines.append(
             f"{r.arm:<16} {mb:>12.2f} {base_bytes / 1e6 / mb:>8.1f} {rounds:>7.0f} "
-            f"{base_rounds / rounds:>8.1f} {r.final:>9.3f} {100 * (base.final - r.final):>8.1f} "
-            f"{r.total_mb:>9.2f} {r.seconds:>6.0f}"
+            f"{base_rounds / rounds:>8.1f} {steps:>6.0f} {seconds:>11.1f} {r.final:>9.3f} "
+            f"{100 * (base.final - r.final):>8.1f} {r.total_mb:>9.2f} {r.seconds:>6.0f}"
         )
     return lines
 
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=800, help="local steps every node trains")
     parser.add_argument("--target", type=float, default=0.93, help="held-out accuracy every node must reach")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
+    parser.add_argument("--partition", default="iid", help="iid, or dirichlet:ALPHA (label skew)")
     args = parser.parse_args()
     chosen = ["dpsgd", *(a for a in args.arms.split(",") if a != "dpsgd")]
     unknown = [a for a in chosen if a not in ARMS]
@@ -99,11 +105,15 @@ def main() -> None:
     results = []
     for arm in chosen:
         started = time.monotonic()
-        report = quiet_mesh(["--nodes", str(args.nodes), "--steps", str(args.steps), *ARMS[arm]])
+        argv = ["--nodes", str(args.nodes), "--steps", str(args.steps), "--partition", args.partition]
+        report = quiet_mesh([*argv, *ARMS[arm]])
         results.append(Result(arm, report["nodes"], time.monotonic() - started))
         done = results[-1]
         print(f"  {arm}: {done.seconds:.0f} s, lowest final accuracy {done.final:.3f}", flush=True)
-    print(f"\n{args.nodes} nodes, ring, {args.steps} local steps each, target {args.target} on every node")
+    print(
+        f"\n{args.nodes} nodes, ring, {args.steps} local steps each, {args.partition} data, "
+        f"target {args.target} on every node"
+    )
     print("\n".join(table(results, args.target)))
 
 

@@ -14,7 +14,11 @@ held-out accuracy, the steps
 and examples it took, final accuracy (lowest node), bytes sent per node, and the ratio of the
 time to DDP's. A PNG shows the lowest node's accuracy against wall time for every arm.
 
+With ``--partition dirichlet:0.5`` every arm (DDP's ranks too) trains on the same label-skewed
+shards.
+
     python bench/stragglers.py [--nodes 8] [--slowdowns 1,2,4,8] [--target 0.94] [--png FILE]
+                               [--partition iid|dirichlet:ALPHA]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from meshrun import quiet_mesh
 
 from gossipmesh.daemon.pacing import StepPacer
-from gossipmesh.tasks import IID, Batches, load_task
+from gossipmesh.tasks import IID, Batches, DataPartition, load_task
 from p2p.address import free_ports
 
 LR, MOMENTUM, BATCH, EVAL_INTERVAL_S = 0.05, 0.9, 32, 0.25
@@ -64,14 +68,21 @@ class Arm:
 
 
 def ddp_worker(
-    rank: int, nodes: int, port: int, duration: float, compute_ms: float, slowdown: float, out: Any
+    rank: int,
+    nodes: int,
+    port: int,
+    duration: float,
+    compute_ms: float,
+    slowdown: float,
+    partition: DataPartition,
+    out: Any,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nodes)
     task = load_task("digits")
     model = torch.nn.parallel.DistributedDataParallel(task.model(seed=0))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    shard = task.shard(rank, nodes, partition=IID, seed=0)
+    shard = task.shard(rank, nodes, partition=partition, seed=0)  # (the mesh's split, seed 0)
     pacer = StepPacer(compute_ms, slowdown if rank == nodes - 1 else 1.0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     dist.barrier()
@@ -106,12 +117,16 @@ def ddp_worker(
     os._exit(0)
 
 
-def run_ddp(nodes: int, duration: float, compute_ms: float, slowdown: float) -> Arm:
+def run_ddp(
+    nodes: int, duration: float, compute_ms: float, slowdown: float, partition: DataPartition = IID
+) -> Arm:
     context = multiprocessing.get_context("fork")
     port = free_ports(1)[0]
     receive, send = context.Pipe(duplex=False)
     workers = [
-        context.Process(target=ddp_worker, args=(rank, nodes, port, duration, compute_ms, slowdown, send))
+        context.Process(
+            target=ddp_worker, args=(rank, nodes, port, duration, compute_ms, slowdown, partition, send)
+        )
         for rank in range(nodes)
     ]
     for worker in workers:
@@ -125,9 +140,12 @@ def run_ddp(nodes: int, duration: float, compute_ms: float, slowdown: float) -> 
 # -- the gossip arms -----------------------------------------------------------------------------
 
 
-def run_gossip(algorithm: str, nodes: int, duration: float, compute_ms: float, slowdown: float) -> Arm:
+def run_gossip(
+    algorithm: str, nodes: int, duration: float, compute_ms: float, slowdown: float, partition: DataPartition
+) -> Arm:
     argv = ["--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
     argv += ["--compute-ms", f"{compute_ms:g}", "--lr", str(LR), "--batch-size", str(BATCH)]
+    argv += ["--partition", str(partition)]
     if slowdown > 1:
         argv += ["--slowdown", f"{nodes - 1}:{slowdown:g}"]
     report = quiet_mesh(argv)
@@ -197,6 +215,9 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--duration", type=float, default=40.0, help="seconds each run trains")
     parser.add_argument("--png", type=Path, default=Path("bench-stragglers.png"))
+    parser.add_argument(
+        "--partition", type=DataPartition.parse, default=IID, help="iid, or dirichlet:ALPHA (label skew)"
+    )
     parser.add_argument("--json", type=Path, help="also write the timelines here")
     args = parser.parse_args()
 
@@ -205,11 +226,14 @@ def main() -> None:
         for name in args.arms.split(","):
             run = run_ddp if name == "ddp" else lambda *a, name=name: run_gossip(name, *a)
             started = time.monotonic()
-            arms.append(run(args.nodes, args.duration, args.compute_ms, slowdown))
+            arms.append(run(args.nodes, args.duration, args.compute_ms, slowdown, args.partition))
             print(
                 f"  {name} with one node {slowdown:g}x slower: {time.monotonic() - started:.0f} s", flush=True
             )
-    print(f"\n{args.nodes} nodes, {args.compute_ms:g} ms per step, target {args.target} for every node")
+    print(
+        f"\n{args.nodes} nodes, {args.compute_ms:g} ms per step, {args.partition} data, "
+        f"target {args.target} for every node"
+    )
     print("\n".join(table(arms, args.target, args.nodes)))
     plot(arms, args.target, args.png)
     print(f"plot: {args.png}")
