@@ -57,15 +57,16 @@ def wide_mlp(params: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _rss(field: str) -> int:
+def rss(field: str) -> int:
+    """This process's memory figure ``field`` of /proc/self/status (VmRSS:, VmHWM:), in bytes."""
     status = Path("/proc/self/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field))) * 1024
 
 
-def _reset_peak() -> int:
+def reset_peak() -> int:
     """Reset this process's peak RSS to its current RSS (Linux: clear_refs 5); the current RSS."""
     Path("/proc/self/clear_refs").write_text("5")
-    return _rss("VmRSS:")
+    return rss("VmRSS:")
 
 
 def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: list[int],
@@ -79,7 +80,7 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: l
             "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=nodes
         )
         vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        base = _reset_peak()
+        base = reset_peak()
 
         def one_round() -> None:
             dist.all_reduce(vector)
@@ -90,7 +91,7 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: l
         config = load(NodeConfig, flags)
         peer = gossipmesh.connect(config, model)
         optimizer = config.gossip_optimizer(torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9), peer)
-        base = _reset_peak()
+        base = reset_peak()
 
         def one_round() -> None:
             optimizer.step()
@@ -104,7 +105,7 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: l
         if index >= WARMUP:
             times.append(time.perf_counter() - started)
     barrier.wait()
-    added = _rss("VmHWM:") - base
+    added = rss("VmHWM:") - base
     if arm != "allreduce":
         optimizer.close()
         peer.leave(after_round=optimizer.round - 1)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from scale import parse_count, wide_mlp
+from scale import parse_count, reset_peak, rss, wide_mlp
 
 import gossipmesh
 from gossipmesh.config import NodeConfig, load
@@ -36,16 +36,6 @@ from gossipmesh.mesh import netns
 from p2p.address import free_ports
 
 PORT = 7000
-
-
-def _rss(field: str) -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field))) * 1024
-
-
-def _reset_peak() -> int:
-    Path("/proc/self/clear_refs").write_text("5")
-    return _rss("VmRSS:")
 
 
 def _node(rank: int, donors: int, params: int, endpoints: list[str], host: netns.Host | None,
@@ -68,18 +58,18 @@ def _node(rank: int, donors: int, params: int, endpoints: list[str], host: netns
         optimizer.optimizer.step()  # AdamW's moments and step counts exist
         optimizer.local_steps = 100
     barrier.wait()
-    base = _reset_peak()
+    base = reset_peak()
     if joiner:
         optimizer.join_from([f"node-{i}" for i in range(donors)], timeout=900)
         transfer = optimizer.last_transfer
         assert transfer is not None
-        result: dict[str, Any] = {"transfer": transfer.summary(), "added_bytes": _rss("VmHWM:") - base}
+        result: dict[str, Any] = {"transfer": transfer.summary(), "added_bytes": rss("VmHWM:") - base}
     else:
         done = threading.Event()
         threading.Thread(target=lambda: (barrier.wait(), done.set()), daemon=True).start()
         while not done.is_set():
             optimizer.serve_state(0.1)
-        result = {"added_bytes": _rss("VmHWM:") - base}
+        result = {"added_bytes": rss("VmHWM:") - base}
     if joiner:
         barrier.wait()
     optimizer.close()
