@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 
 import numpy as np
 import torch
 
 from gossip.flat import NUMPY_DTYPES, FlatParameters
-from gossip.state import Counters, Entry
+from gossip.state import Counters, Entry, Reader, Snapshot, read_stream, split
 
 
 class LiveState:
@@ -49,34 +50,33 @@ class LiveState:
         self._flat, self._params, self._optimizer = flat, list(params), optimizer
         self._lock, self._counters, self._background = lock, counters, background
         self._dtype = flat.vector_dtype
-        self._found: list[tuple[str, torch.dtype, list[torch.Tensor]]] | None = None  # at the last manifest
+        self._found: Found | None = None  # at the last manifest
 
     def manifest(self) -> tuple[list[Entry], Counters]:
+        """The layout and counters now; reads follow this layout until the next manifest (an
+        optimizer that made new buffers since, by a first step or ``load_state_dict``, is read
+        as it was found here)."""
         with self._lock:
             self._found = arrays = self._arrays()
             counters = self._counters()
-        return [
-            Entry(name, NUMPY_DTYPES[dtype], (sum(s.numel() for s in parts),))
-            for name, dtype, parts in arrays
-        ], counters
+        return _entries(arrays), counters
 
     def read(self, start: int, stop: int) -> np.ndarray:
         if self._found is None:
             self.manifest()
         assert self._found is not None
-        pieces, offset = [], 0
-        for _, dtype, parts in self._found:
-            size = NUMPY_DTYPES[dtype].itemsize * sum(s.numel() for s in parts)
-            lo, hi = max(start - offset, 0), min(stop - offset, size)
-            if lo < hi:
-                pieces.append(_read_bytes(parts, dtype, lo, hi))
-            offset += size
-        out = np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
-        if out.size != stop - start:
-            raise ValueError(f"bytes {start}:{stop} are beyond the state's {offset}")
-        return out
+        return read_stream(_readers(self._found), start, stop)
 
-    def _arrays(self) -> list[tuple[str, torch.dtype, list[torch.Tensor]]]:
+    def snapshot(self) -> Snapshot:
+        """The whole state at one instant (under the training lock): a checkpoint's."""
+        with self._lock:
+            arrays = self._arrays()
+            entries = _entries(arrays)
+            raw = read_stream(_readers(arrays), 0, sum(entry.span for entry in entries))
+            counters = self._counters()
+        return Snapshot(split(entries, raw), counters)
+
+    def _arrays(self) -> Found:
         """(name, dtype, the tensors that make it up one after the other), under the lock."""
         params = [torch.from_numpy(self._flat.array)] if self._background else list(self._flat.buckets)
         arrays = [("params", self._dtype, params)]
@@ -92,6 +92,22 @@ class LiveState:
             parts = [state[key].reshape(1) if key in state else _ZERO for _, state in pairs]
             arrays.append((f"scalar.{key}", torch.float64, parts))
         return arrays
+
+
+Found = list[tuple[str, torch.dtype, list[torch.Tensor]]]  # name, dtype, the tensors it is made of
+
+
+def _entries(arrays: Found) -> list[Entry]:
+    return [
+        Entry(name, NUMPY_DTYPES[dtype], (sum(s.numel() for s in parts),)) for name, dtype, parts in arrays
+    ]
+
+
+def _readers(arrays: Found) -> list[tuple[int, Reader]]:
+    return [
+        (NUMPY_DTYPES[dtype].itemsize * sum(s.numel() for s in parts), partial(_read_bytes, parts, dtype))
+        for _, dtype, parts in arrays
+    ]
 
 
 def _read_bytes(segments: Sequence[torch.Tensor], dtype: torch.dtype, start: int, stop: int) -> np.ndarray:

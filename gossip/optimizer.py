@@ -30,7 +30,7 @@ from gossip.network import PeerNetwork
 from gossip.outer import OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.robust import RobustRule
-from gossip.state import Snapshot, StateTransferError, whole
+from gossip.state import Snapshot, StateTransferError
 from gossip.state_fetch import TransferStats, fetch_state
 from gossip.state_server import StateServer
 from topologies import Topology
@@ -307,7 +307,7 @@ class GossipOptimizer(torch.optim.Optimizer):
     def snapshot(self) -> Snapshot:
         """The training state a newcomer needs (parameters, optimizer buffers, counters), whole:
         a checkpoint's. Newcomers are served from the live state, a chunk at a time."""
-        return whole(self._state)
+        return self._state.snapshot()
 
     def _counters(self) -> dict[str, float]:
         return {

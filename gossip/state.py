@@ -3,7 +3,9 @@ protocol it travels in.
 
 Without it a new node would average random weights into the mesh. A node's state is a list of
 named flat arrays (parameters, optimizer buffers) plus counters (steps, round, rounds per
-second). It travels as a byte stream, the arrays one after the other:
+second). It travels as a byte stream, the arrays one after the other, each starting at a
+multiple of ``ALIGN`` bytes (zeros between), so that no chunk (a multiple of ``ALIGN`` bytes)
+splits a value:
 
 - the newcomer asks a source for its *manifest* (``state_request`` with ``manifest``); the source
   answers ``state_manifest``: the versioned layout (name, dtype, shape of each array), the
@@ -12,7 +14,8 @@ second). It travels as a byte stream, the arrays one after the other:
   ``chunks``: the indices it wants), each answered by one ``state_chunk``. Credits bound what
   is in flight: a request says how many chunks the newcomer has settled (received, or given up
   on) from that source, and a source sends no more than ``MAX_WINDOW`` chunks beyond that, so
-  it never queues more than its send window against the connection (``gossip.state_server``);
+  it queues no more than its send window for an honest requester (``gossip.state_server`` says
+  what bounds a dishonest one);
 - chunks are kept as they arrive, so a stalled source costs only the chunks it still owed,
   asked of another source or again, never a restart; with several sources the chunks are
   spread over them (``gossip.state_fetch``).
@@ -25,15 +28,16 @@ link's speed, for the memory of a send window. The counters are those of the fir
 whose manifest arrived; a source whose layout differs from it is not used.
 
 The receiver checks the manifest (version, sizes, dtypes, counters in range) before it
-allocates anything and every chunk against it, and the whole for finite values before any of
-it touches the model.
+allocates anything, and every chunk against it as it arrives (size, finite values), so a bad
+chunk is pinned on the source that sent it; nothing touches the model before the whole is in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,6 +52,7 @@ KINDS = (MANIFEST, CHUNK)  # what a newcomer receives
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 256  # a source refuses smaller chunks: a message per few bytes
 MAX_CHUNK_BYTES = 8 << 20
+ALIGN = 8  # arrays start, and chunks end, at multiples of this: the widest value (float64, int64)
 WINDOW = 16  # chunks a newcomer keeps requested and not yet received, per source
 MAX_WINDOW = 32  # chunks a source sends beyond what the requester has settled (its send queue is 64)
 MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exact as floats
@@ -57,7 +62,10 @@ Counters = Mapping[str, float]
 
 
 class StateTransferError(RuntimeError):
-    """No valid state arrived; the message says from whom and why."""
+    """No valid state arrived; the message says from whom and why, ``dropped`` which sources
+    were left out (by id: why)."""
+
+    dropped: dict[str, str] = {}  # noqa: RUF012 - replaced per instance, never mutated
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,11 @@ class Entry:
     def nbytes(self) -> int:
         return self.dtype.itemsize * math.prod(self.shape)
 
+    @property
+    def span(self) -> int:
+        """Its bytes in the stream, with the zeros that align the next array."""
+        return -(-self.nbytes // ALIGN) * ALIGN
+
     def wire(self) -> list[Any]:
         return [self.name, self.dtype.name, list(self.shape)]
 
@@ -83,7 +96,8 @@ class StateView(Protocol):
     def manifest(self) -> tuple[Sequence[Entry], Counters]: ...
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Bytes ``start:stop`` of the arrays one after the other, as a new uint8 array."""
+        """Bytes ``start:stop`` of the stream (arrays aligned as the module docstring says), as
+        a new uint8 array."""
         ...
 
 
@@ -99,28 +113,29 @@ class Snapshot:
         return [Entry(n, a.dtype, a.shape) for n, a in self.tensors.items()], self.counters
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        return read_bytes([np.ascontiguousarray(a).reshape(-1) for a in self.tensors.values()], start, stop)
+        arrays = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in self.tensors.values()]
+        return read_stream([(a.size, partial(_bytes_of, a)) for a in arrays], start, stop)
 
 
-def read_bytes(arrays: Sequence[np.ndarray], start: int, stop: int) -> np.ndarray:
-    """Bytes ``start:stop`` of flat ``arrays`` one after the other, as a new uint8 array."""
-    out, offset, filled = np.empty(stop - start, np.uint8), 0, 0
-    for array in arrays:
-        raw = array.view(np.uint8)
-        lo, hi = max(start - offset, 0), min(stop - offset, raw.size)
+Reader = Callable[[int, int], np.ndarray]  # bytes lo:hi of one array
+
+
+def _bytes_of(raw: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return raw[lo:hi]
+
+
+def read_stream(arrays: Sequence[tuple[int, Reader]], start: int, stop: int) -> np.ndarray:
+    """Bytes ``start:stop`` of the stream of ``arrays`` ((bytes, reader) each), as a new uint8
+    array: each array starts at a multiple of ``ALIGN``, zeros between."""
+    out, offset = np.zeros(stop - start, np.uint8), 0
+    for nbytes, read in arrays:
+        lo, hi = max(start - offset, 0), min(stop - offset, nbytes)
         if lo < hi:
-            out[filled : filled + hi - lo] = raw[lo:hi]
-            filled += hi - lo
-        offset += raw.size
-    if filled != out.size:
+            out[offset + lo - start : offset + hi - start] = read(lo, hi)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    if stop > offset:
         raise ValueError(f"bytes {start}:{stop} are beyond the state's {offset}")
     return out
-
-
-def whole(view: StateView) -> Snapshot:
-    """All of ``view`` at once (a checkpoint's state)."""
-    entries, counters = view.manifest()
-    return Snapshot(split(entries, view.read(0, sum(entry.nbytes for entry in entries))), dict(counters))
 
 
 def split(entries: Sequence[Entry], raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -128,7 +143,7 @@ def split(entries: Sequence[Entry], raw: np.ndarray) -> dict[str, np.ndarray]:
     tensors, offset = {}, 0
     for entry in entries:
         tensors[entry.name] = raw[offset : offset + entry.nbytes].view(entry.dtype).reshape(entry.shape)
-        offset += entry.nbytes
+        offset += entry.span
     return tensors
 
 
@@ -151,7 +166,7 @@ class Manifest:
             "version": STATE_VERSION,
             "layout": [entry.wire() for entry in entries],
             "counters": dict(counters),
-            "total": sum(entry.nbytes for entry in entries),
+            "total": sum(entry.span for entry in entries),
         }
 
     @classmethod
@@ -182,7 +197,7 @@ class Manifest:
                 raise ValueError(f"bad layout entry {shown(entry)}")
             dtype = BFLOAT16 if entry[1] == "bfloat16" else np.dtype(entry[1])
             entries.append(Entry(entry[0], dtype, tuple(entry[2])))
-        if sum(entry.nbytes for entry in entries) != total:
+        if sum(entry.span for entry in entries) != total:
             raise ValueError("the layout does not add up to the total size")
         return cls(tuple(entries), dict(counters), total)
 
@@ -203,28 +218,31 @@ class Assembly:
 
     def add(self, index: Any, tensors: Sequence[np.ndarray]) -> bool:
         """Put chunk ``index`` in place; False for one already in. Raises ValueError for a
-        chunk that is not one of this state's."""
+        chunk that is not one of this state's, or that carries a NaN or infinite value."""
         if type(index) is not int or not 0 <= index < self.count or len(tensors) != 1:
             raise ValueError(f"bad chunk {shown(index)}")
         if index in self.seen:
             return False
         start = index * self.chunk_bytes
-        expected = min(self.chunk_bytes, self.buffer.size - start)
+        stop = min(start + self.chunk_bytes, self.buffer.size)
         piece = tensors[0]
-        if piece.dtype != np.uint8 or piece.shape != (expected,):
+        if piece.dtype != np.uint8 or piece.shape != (stop - start,):
             raise ValueError(f"chunk {index} has the wrong size")
-        self.buffer[start : start + expected] = piece
+        offset = 0
+        for entry in self.manifest.entries:  # (aligned: no value is split between chunks)
+            lo, hi = max(start, offset), min(stop, offset + entry.nbytes)
+            if lo < hi and entry.dtype.kind in "fV":
+                values = piece[lo - start : hi - start].view(entry.dtype)
+                if not all_finite(values.astype(np.float32) if entry.dtype == BFLOAT16 else values):
+                    raise ValueError(f"{entry.name} has NaN or infinite values (chunk {index})")
+            offset += entry.span
+        self.buffer[start:stop] = piece
         self.seen.add(index)
         return True
 
     def snapshot(self) -> Snapshot:
-        """The whole state; raises ValueError for an array with NaN or infinite values."""
-        tensors = split(self.manifest.entries, self.buffer)
-        for name, array in tensors.items():
-            floats = array.astype(np.float32) if array.dtype == BFLOAT16 else array
-            if floats.dtype.kind == "f" and not all_finite(floats):
-                raise ValueError(f"{name} has NaN or infinite values")
-        return Snapshot(tensors, self.manifest.counters)
+        """The whole state (every chunk was checked as it came)."""
+        return Snapshot(split(self.manifest.entries, self.buffer), self.manifest.counters)
 
 
 def shown(value: Any, limit: int = 80) -> str:

@@ -20,16 +20,21 @@ from typing import Any
 
 from gossip.network import Envelope, PeerNetwork
 from gossip.state import (
+    ALIGN,
     CHUNK,
     CHUNK_BYTES,
     KINDS,
     MANIFEST,
+    MAX_CHUNK_BYTES,
+    MAX_WINDOW,
+    MIN_CHUNK_BYTES,
     REQUEST,
     WINDOW,
     Assembly,
     Manifest,
     Snapshot,
     StateTransferError,
+    shown,
 )
 
 RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
@@ -66,11 +71,12 @@ class TransferStats:
 @dataclass
 class _Lane:
     source: str
-    heard: float  # when it last sent anything (or was first asked)
+    heard: float  # when it last sent anything, or was asked for chunks while owing none: its stall clock
+    last_message: float  # when it last sent anything (or the fetch began): its patience clock
     manifest_due: float  # when to ask for its manifest (again); inf once it arrived
     asks: int = 0
     stalls: int = 0  # times it owed chunks and went silent: it is asked after the lanes that move
-    ready: bool = False  # its manifest arrived and fits
+    manifest: Manifest | None = None  # its manifest, once it arrived and fits
     owed: set[int] = field(default_factory=set)  # chunks asked of it, not received
     settled: int = 0  # chunks received from it or given up on: its credit
     received: int = 0
@@ -93,6 +99,15 @@ def fetch_state(
     ``cancelled()`` turns true (asked every ``POLL_S``)."""
     if not sources:
         raise StateTransferError("no source to take the state from")
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(
+            f"window must be in 1..{MAX_WINDOW} chunks (what a source sends ahead), got {window}"
+        )
+    if not (MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % ALIGN == 0):
+        raise ValueError(
+            f"chunk_bytes must be a multiple of {ALIGN} in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, "
+            f"got {chunk_bytes}"
+        )
     return _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s).run(timeout, cancelled)
 
 
@@ -111,7 +126,7 @@ class _Fetch:
         self.retry_s, self.patience_s = retry_s, patience_s
         self.transfer = secrets.randbits(62)
         now = time.monotonic()
-        self.lanes = {source: _Lane(source, heard=now, manifest_due=now) for source in dict.fromkeys(sources)}
+        self.lanes = {source: _Lane(source, now, now, now) for source in dict.fromkeys(sources)}
         self.assembly: Assembly | None = None
         self.reference: str | None = None  # the source whose manifest the state follows
         self.missing: deque[int] = deque()  # chunks no lane owes
@@ -144,10 +159,11 @@ class _Fetch:
 
     def _look_after_lanes(self, now: float) -> None:
         for lane in list(self.lanes.values()):
-            if now - lane.heard >= self.patience_s:
+            waited_on = lane.manifest is None or lane.owed  # (an idle lane owes nothing)
+            if waited_on and now - lane.last_message >= self.patience_s:
                 self._drop(lane, f"silent for {self.patience_s:g} s")
                 continue
-            if not lane.ready and now >= lane.manifest_due:
+            if lane.manifest is None and now >= lane.manifest_due:
                 self.peer.send(lane.source, REQUEST, 0, meta={"transfer": self.transfer, "manifest": True})
                 lane.asks += 1  # the first is often lost (sent before the connection was up): once more soon
                 lane.manifest_due = now + (REASK_S if lane.asks == 1 else self.retry_s)
@@ -159,9 +175,11 @@ class _Fetch:
     def _ask_for_chunks(self) -> None:
         for lane in sorted(self.lanes.values(), key=lambda lane: lane.stalls):
             free = self.window - len(lane.owed)
-            if not lane.ready or not self.missing or free < max(1, self.window // 4):
+            if lane.manifest is None or not self.missing or free < max(1, self.window // 4):
                 continue  # (asks in batches: a request per few chunks, not per chunk)
-            chunks = [self.missing.popleft() for _ in range(min(free, len(self.missing)))]
+            chunks = self._take_missing(free)
+            if not chunks:
+                return
             if not lane.owed:
                 lane.heard = time.monotonic()  # its stall clock starts now
             lane.owed.update(chunks)
@@ -173,11 +191,21 @@ class _Fetch:
             }
             self.peer.send(lane.source, REQUEST, 0, meta=meta)
 
+    def _take_missing(self, count: int) -> list[int]:
+        """Up to ``count`` chunks no lane owes and none delivered (a stalled lane's late ones)."""
+        assert self.assembly is not None
+        chunks: list[int] = []
+        while self.missing and len(chunks) < count:
+            index = self.missing.popleft()
+            if index not in self.assembly.seen:
+                chunks.append(index)
+        return chunks
+
     def _take(self, message: Envelope) -> None:
         lane = self.lanes.get(message.sender)
         if lane is None:
             return
-        lane.heard = time.monotonic()
+        lane.heard = lane.last_message = time.monotonic()
         try:
             if message.kind == MANIFEST:
                 self._take_manifest(lane, message)
@@ -187,22 +215,20 @@ class _Fetch:
             self._drop(lane, str(exc))
 
     def _take_manifest(self, lane: _Lane, message: Envelope) -> None:
-        if lane.ready:
-            return
-        manifest = Manifest.parse(message.meta, self.max_bytes)
+        manifest = Manifest.parse(message.meta, self.max_bytes)  # (a source may send it again)
         if self.assembly is None:
             self.assembly = Assembly(manifest, self.chunk_bytes)
             self.reference = lane.source
             self.missing.extend(range(self.assembly.count))
         elif manifest.entries != self.assembly.manifest.entries:
             raise ValueError(f"its layout differs from {self.reference}'s")
-        lane.ready, lane.manifest_due = True, math.inf
+        lane.manifest, lane.manifest_due = lane.manifest or manifest, math.inf
 
     def _take_chunk(self, lane: _Lane, message: Envelope) -> None:
         index = message.meta.get("index")
-        if self.assembly is None or (index not in lane.owed and index not in self.assembly.seen):
-            return  # (a chunk of an earlier lane's stall, already asked again and received)
-        if self.assembly.add(index, message.tensors):
+        if self.assembly is None or type(index) is not int:
+            raise ValueError(f"chunk {shown(index)} before a manifest, or not an index")
+        if self.assembly.add(index, message.tensors):  # (also a late one of a stall, still missing)
             lane.received += 1
             self.stats.chunks[lane.source] = lane.received
         if index in lane.owed:
@@ -212,7 +238,7 @@ class _Fetch:
     def _give_back(self, lane: _Lane) -> None:
         """The chunks ``lane`` owes go back to be asked for (they are settled for its credit)."""
         assert self.assembly is not None
-        self.missing.extendleft(sorted(i for i in lane.owed if i not in self.assembly.seen))
+        self.missing.extendleft(sorted((i for i in lane.owed if i not in self.assembly.seen), reverse=True))
         lane.settled += len(lane.owed)
         lane.owed.clear()
 
@@ -221,6 +247,10 @@ class _Fetch:
             self._give_back(lane)
         self.stats.dropped_sources[lane.source] = why
         del self.lanes[lane.source]
+        if lane.source == self.reference:  # its counters go with it: another lane's stand
+            other = next((other for other in self.lanes.values() if other.manifest is not None), None)
+            if other is not None and self.assembly is not None and other.manifest is not None:
+                self.reference, self.assembly.manifest = other.source, other.manifest
 
     def _error(self, why: str) -> StateTransferError:
         got = (
@@ -230,6 +260,8 @@ class _Fetch:
         )
         reasons = "; ".join(f"{s}: {r}" for s, r in self.stats.dropped_sources.items())
         names = ", ".join(dict.fromkeys([*self.lanes, *self.stats.dropped_sources]))
-        return StateTransferError(
+        error = StateTransferError(
             " ".join(filter(None, [f"state from {names}: {got}", why, reasons and f"({reasons})"]))
         )
+        error.dropped = dict(self.stats.dropped_sources)
+        return error

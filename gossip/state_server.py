@@ -4,13 +4,15 @@ A transfer goes at the link's pace, not the training loop's: the loop looks for 
 between its steps (:meth:`StateServer.poll`, which never blocks) and, when one came, answers it
 and keeps answering from a thread of its own (``PeerNetwork.start_background``) until no
 request has come for ``IDLE_S``. Each chunk is read from the live state when it is asked for
-(``gossip.live_state``), so serving costs no copy of the state, only the chunks in flight; chunks
-are read as the manifest a requester got describes them, and only after it got one.
+(``gossip.live_state``), so serving costs no copy of the state, only the chunks in flight.
 
 What a requester can make a source do is bounded: it answers members only, at most
-``MAX_TRANSFERS`` requesters at once (one is busy while it asked within ``RETRY_S``), at most
-``MAX_WINDOW`` chunks beyond what the requester says it settled (and never more than it was
-sent), chunks of ``MIN_CHUNK_BYTES`` to ``MAX_CHUNK_BYTES``; ``refused`` counts what it let go.
+``MAX_TRANSFERS`` requesters at once (a slot is taken over from a requester silent for
+``RETRY_S``), at most ``MAX_WINDOW`` chunks a request and beyond what the requester says it
+settled, chunks of ``MIN_CHUNK_BYTES`` to ``MAX_CHUNK_BYTES``, only after a manifest (a chunk
+request without one is answered with the manifest); ``refused`` counts what it let go. A
+requester that claims more settled than it received makes its source read sooner, not hold
+more: what the source sends waits in the transport's bounded queues (``p2p.outbound``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from gossip.network import Background, Envelope, PeerNetwork
 from gossip.state import (
+    ALIGN,
     CHUNK,
     MANIFEST,
     MAX_CHUNK_BYTES,
@@ -62,23 +65,24 @@ class StateServer:
         self.chunks_sent = 0
 
     def poll(self) -> None:
-        """Between training steps: answer a request that waits, and go on answering on a
-        thread of its own while they come. Never blocks."""
+        """Between training steps: answer a request that waits (at most a window of chunk
+        copies), and go on answering on a thread of its own while they come."""
         if self._serving or self._stop.is_set():
             return
         request = self._peer.recv(0, (REQUEST,))
         if request is None:
             return
         self._answer(request)
-        if self._thread is not None:
-            self._thread.join()  # ended (it cleared _serving): joined at once
-        self._serving = True
         self._thread = self._peer.start_background(f"state-{self._peer.node_id}", self._serve)
+        self._serving = True  # (the thread clears it as it ends, never before this)
 
     def serve(self, wait: float = 0.0) -> int:
         """Answer the requests waiting (the first for up to ``wait`` s); how many were taken."""
         answered = 0
-        while (request := self._peer.recv(wait if not answered else 0, (REQUEST,))) is not None:
+        while not self._stop.is_set():
+            request = self._peer.recv(wait if not answered else 0, (REQUEST,))
+            if request is None:
+                break
             self._answer(request)
             answered += 1
         return answered
@@ -108,15 +112,12 @@ class StateServer:
                 return
             meta, requester = request.meta, request.sender
             transfer = self._transfers[requester]
-            if meta.get("manifest") is True:
+            if meta.get("manifest") is True or transfer.total is None:  # (chunks follow a manifest)
                 entries, counters = self._view.manifest()
-                transfer.total = sum(entry.nbytes for entry in entries)
+                transfer.total = sum(entry.span for entry in entries)
                 self._peer.send(requester, MANIFEST, 0, meta=Manifest.message(entries, counters, transfer.id))
                 return
             total = transfer.total
-            if total is None:
-                self.refused["no_manifest"] += 1
-                return
             chunk_bytes, chunks = meta["chunk_bytes"], meta["chunks"]
             credit = MAX_WINDOW - (transfer.sent - min(meta["settled"], transfer.sent))
             if len(chunks) > credit:
@@ -136,7 +137,7 @@ class StateServer:
         """Why ``requester``'s request is not answered, or None (then its transfer is known)."""
         now = self._peer.now()
         members = self._peer.members()
-        for gone in [r for r, t in self._transfers.items() if r not in members or now - t.heard >= RETRY_S]:
+        for gone in [r for r in self._transfers if r not in members]:
             del self._transfers[gone]
         transfer_id = meta.get("transfer")
         if type(transfer_id) is not int or not _well_formed(meta):
@@ -146,7 +147,10 @@ class StateServer:
         transfer = self._transfers.get(requester)
         if transfer is None or transfer.id != transfer_id:
             if transfer is None and len(self._transfers) >= MAX_TRANSFERS:
-                return "busy"
+                idlest = min(self._transfers, key=lambda r: self._transfers[r].heard)
+                if now - self._transfers[idlest].heard < RETRY_S:
+                    return "busy"
+                del self._transfers[idlest]  # (one silent this long gave up, or asks again anew)
             transfer = self._transfers[requester] = _Transfer(transfer_id, now)
         transfer.heard = now
         return None
@@ -159,6 +163,7 @@ def _well_formed(meta: Mapping[str, Any]) -> bool:
     return (
         type(chunk_bytes) is int
         and MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
+        and chunk_bytes % ALIGN == 0
         and type(settled) is int
         and settled >= 0
         and isinstance(chunks, list)

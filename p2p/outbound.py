@@ -3,9 +3,11 @@ peer's socket takes them (``ZMQ_SNDHWM``), everything under the send cap when th
 (``p2p.pacing``).
 
 Per peer, what is sent keeps its order (a receiver takes only increasing sequence numbers): a
-message for a peer that a stream is being fed to goes after the stream; under a cap, messages
-wait in one queue and streams pause between chunks, paused streams going before waiting
-messages.
+message for a peer that a stream is being fed to goes after the stream, and a stream waits for
+the messages queued while its connection came up; under a cap, messages wait in one queue
+and streams pause between chunks, paused streams going first, in turn. Every queue is bounded
+(``MAX_QUEUED``, ``MAX_STREAMS_PER_PEER``): past it the oldest (or the newest, behind a stream)
+is dropped and counted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from p2p.transport import TransportStats
 
 MAX_STREAMS_PER_PEER = 4  # streams queued to one peer; beyond, the oldest unfinished one is dropped
+MAX_QUEUED = 64  # messages waiting behind a peer's stream, or for the send cap (as ZMQ_SNDHWM)
 
 
 class Outbound:
@@ -50,7 +53,7 @@ class Outbound:
         self._guarded, self._unreachable = guarded, unreachable
         self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
         self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
-        self._paused: set[Target] = set()  # streams waiting for the pacer
+        self._paused: dict[Target, None] = {}  # streams waiting for the pacer, in turn
 
     @property
     def paced(self) -> bool:
@@ -63,17 +66,24 @@ class Outbound:
         return math.ceil(self._pacer.wait_s() * 1000)
 
     def hold(self, send: Callable[[], None]) -> None:
-        """Run ``send`` in its turn under the cap (it encodes as it leaves, see the transport)."""
+        """Run ``send`` in its turn under the cap (it encodes as it leaves, see the transport);
+        beyond ``MAX_QUEUED`` waiting, the oldest is dropped (a cap slower than what the node
+        makes must not grow its memory or its messages' age without bound)."""
+        if len(self._held) >= MAX_QUEUED:
+            self._held.popleft()
+            self._stats.drop("send_cap_backlog")
         self._held.append(send)
         self.release()
 
     def release(self) -> None:
-        """What waited for the pacer and may go now: paused streams first, then held sends."""
+        """What waited for the pacer and may go now: paused streams first (in turn: a stream
+        that pauses again goes to the back), then held sends."""
         pacer = self._pacer
         if pacer is None:
             return
-        for target in [t for t in self._paused if pacer.wait_s() == 0]:
-            self._paused.discard(target)
+        while self._paused and pacer.wait_s() == 0:
+            target = next(iter(self._paused))
+            del self._paused[target]
             self.feed(target)
         while self._held and pacer.wait_s() == 0:
             self._guarded("command", self._held.popleft())
@@ -81,7 +91,10 @@ class Outbound:
     def send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
         targets = self._connections.targets(address, key)
         behind_a_stream = [t for t in targets if t in self._streams]
-        for target in behind_a_stream:
+        for target in behind_a_stream:  # it goes after what is being streamed there, in order
+            if len(self._streams[target]) >= MAX_QUEUED:
+                self._stats.drop("peer_unreachable_or_full")
+                continue
             self._streams[target].append(deque([frames]))
         targets = [t for t in targets if t not in self._streams]
         if behind_a_stream and not targets:
@@ -123,10 +136,14 @@ class Outbound:
             self._streams.pop(target, None)
             return
         dealer = connection.socket
+        if connection.waiting:  # older messages wait for the connection: they go first
+            if dealer not in self._poller:
+                self._poller.register(dealer, zmq.POLLOUT)
+            return
         while streams:
             chunks = streams[0]
             if self._pacer is not None and self._pacer.wait_s() > 0:
-                self._paused.add(target)
+                self._paused[target] = None
                 self._unpoll(dealer)
                 return
             try:
@@ -145,7 +162,7 @@ class Outbound:
 
     def closed(self, target: Target, connection: Connection) -> None:
         """A connection is being closed: forget what it had left to send."""
-        self._paused.discard(target)
+        self._paused.pop(target, None)
         if self._streams.pop(target, None):
             self._stats.drop("stream_connection_closed")
         self._unpoll(connection.socket)

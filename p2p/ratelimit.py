@@ -38,9 +38,12 @@ class Bucket:
         self.tokens = burst
         self.at = now
 
-    def take(self, now: float, tokens: float = 1.0) -> bool:
+    def refill(self, now: float) -> None:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
+
+    def take(self, now: float, tokens: float = 1.0) -> bool:
+        self.refill(now)
         if self.tokens < tokens:
             return False
         self.tokens -= tokens

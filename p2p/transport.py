@@ -2,9 +2,10 @@
 
 A ROUTER socket receives from all peers; one DEALER per peer address and key sends
 (``p2p.connections``: bounded in number, closed when idle). Other threads never
-touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload copy) and hands
-the frames to the network thread, which sends them without blocking (a full or unreachable peer
-drops the message and counts it). Received messages are decoded and validated on the network
+touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload copy; under a
+send cap, on the network thread as the message leaves) and hands the frames to the network
+thread, which sends them without blocking (``p2p.outbound``: a full or unreachable peer drops
+the message and counts it). Received messages are decoded and validated on the network
 thread; valid ones go to a bounded inbox that :meth:`Transport.recv` reads with a timeout.
 Rejected ones are counted per reason and per peer (see ``p2p.rejections``); a peer that keeps
 sending garbage is shunned, its messages dropped unread.
@@ -14,8 +15,8 @@ key get a frame through (see ``p2p.security``); without one, nothing is authenti
 
 A payload larger than ``chunk_bytes`` goes as a stream of chunks (``p2p.wire.encode_chunks``):
 the network thread feeds a peer's chunks to its socket as the socket takes them (waiting for
-room rather than dropping), so small messages to that peer still pass between chunks, and the
-receiver copies each chunk into place as it comes (``p2p.stream``). No ZeroMQ message exceeds
+room rather than dropping; later messages to that peer go after the stream), and the receiver
+copies each chunk into place as it comes (``p2p.stream``). No ZeroMQ message exceeds
 ``p2p.wire.MAX_CHUNK_BYTES``, which bounds what a peer can make a node buffer before checks.
 
 Protocol services (membership, later failure detection) run on the network thread too: they
@@ -506,8 +507,9 @@ class Transport:
 
     def _hold(self, address: str, key: str | None, member: bool, fields: dict[str, Any]) -> None:
         """With a send cap: a service's message (membership: small, and late it would make
-        peers suspect this node) leaves now; the others wait their turn, encoded as they leave
-        so that sequence numbers go out in order whatever passed them (network thread)."""
+        peers suspect this node) leaves now (behind a stream being fed to that peer, though);
+        the others wait their turn, encoded as they leave so that sequence numbers go out in
+        order whatever passed them (network thread)."""
         if fields["kind"] in self._services:
             self._encoded(address, key, member, fields)()
         else:

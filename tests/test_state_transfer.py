@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ import pytest
 import torch
 from helpers import in_background, started_peers, wait_until
 
+import gossip.state_server
 from gossip import GossipOptimizer
 from gossip.network import PeerNetwork, PeerWrapper
 from gossip.state import (
@@ -25,14 +27,13 @@ from gossip.state import (
     Snapshot,
     StateTransferError,
     StateView,
-    whole,
 )
 from gossip.state_fetch import fetch_state
 from gossip.state_server import StateServer
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import Topology
 
-CHUNK_BYTES = 300
+CHUNK_BYTES = 320
 
 
 @contextmanager
@@ -88,13 +89,13 @@ def test_a_state_crosses_in_many_chunks_and_arrives_whole_with_each_chunk_sent_o
     network = MemoryNetwork()
     source, newcomer = Lossy(network.join("source")), network.join("newcomer")
     state = _state()
-    with serving(source, state):  # 8000 bytes: 27 chunks of at most 300
+    with serving(source, state):  # 8000 bytes: 25 chunks of 320
         received, stats = _fetch(newcomer, ["source"], window=4)
     for name, array in state.tensors.items():
         np.testing.assert_array_equal(received.tensors[name], array)
     assert received.counters == state.counters
-    assert set(source.sent) == set(range(27)) and set(source.sent.values()) == {1}
-    assert stats.bytes == 8000 and stats.chunks == {"source": 27} and stats.reasked == 0
+    assert set(source.sent) == set(range(25)) and set(source.sent.values()) == {1}
+    assert stats.bytes == 8000 and stats.chunks == {"source": 25} and stats.reasked == 0
 
 
 def test_a_source_sends_no_more_than_its_window_beyond_what_the_requester_settled() -> None:
@@ -104,9 +105,9 @@ def test_a_source_sends_no_more_than_its_window_beyond_what_the_requester_settle
     source, asker = network.join("source"), network.join("asker")
     server = StateServer(source, _state(size=100_000))
     asker.send("source", REQUEST, 0, meta={"transfer": 1, "chunks": [0], "chunk_bytes": 1024, "settled": 0})
-    asker.send("source", REQUEST, 0, meta={"transfer": 1, "manifest": True})
     server.serve()
-    assert server.chunks_sent == 0 and server.refused["no_manifest"] == 1  # chunks follow a manifest
+    answer = asker.recv(1, (MANIFEST, CHUNK))
+    assert answer is not None and answer.kind == MANIFEST and server.chunks_sent == 0  # a manifest first
     for first in range(0, 4 * MAX_WINDOW, MAX_WINDOW):
         chunks = list(range(first, first + MAX_WINDOW))
         asker.send(
@@ -136,7 +137,7 @@ def test_chunks_lost_on_the_way_are_asked_again_not_the_whole_state() -> None:
     with serving(source, state):
         received, stats = _fetch(newcomer, ["source"], window=4, retry_s=0.2)
     np.testing.assert_array_equal(received.tensors["params"], state.tensors["params"])
-    assert sum(source.sent.values()) == 27 + 2 and source.sent[5] == source.sent[17] == 2
+    assert sum(source.sent.values()) == 25 + 2 and source.sent[5] == source.sent[17] == 2
     assert stats.reasked >= 2
 
 
@@ -153,7 +154,7 @@ def test_several_sources_share_the_chunks_and_a_stalled_one_leaves_its_part_to_t
     np.testing.assert_array_equal(
         received.tensors["optimizer.momentum_buffer"], state.tensors["optimizer.momentum_buffer"]
     )
-    assert stats.chunks["stalls"] == 5 and stats.chunks["steady"] == 22
+    assert stats.chunks["stalls"] == 5 and stats.chunks["steady"] == 20
     assert stats.reasked > 0
 
 
@@ -247,10 +248,10 @@ def test_a_live_state_reads_any_byte_range_as_the_whole_state_has_it() -> None:
     model_params = optimizer.param_groups[0]["params"]
     sum(p.float().sum() for p in model_params).backward()
     optimizer.optimizer.step()  # Adam's moments (bfloat16) and its step counters
-    state = whole(optimizer._state)
+    state = optimizer.snapshot()
     assert set(state.tensors) == {"params", "optimizer.exp_avg", "optimizer.exp_avg_sq", "scalar.step"}
     np.testing.assert_array_equal(state.tensors["scalar.step"], [1.0] * 4)
-    stream = np.concatenate([a.reshape(-1).view(np.uint8) for a in state.tensors.values()])
+    stream = state.read(0, sum(e.span for e in state.manifest()[0]))  # (aligned as served)
     rng = np.random.default_rng(0)
     for _ in range(50):
         start, stop = sorted(rng.integers(0, stream.size + 1, 2))
@@ -300,3 +301,45 @@ def test_a_snapshot_that_does_not_fit_the_model_is_refused() -> None:
         optimizer.restore(
             Snapshot({"params": np.zeros(8, np.float32), "weights": np.zeros(8, np.float32)}, {})
         )
+
+
+def test_a_source_with_bad_values_is_left_out_and_its_part_fetched_from_another() -> None:
+    """Each chunk is checked as it comes, so a bad one is pinned on its source: "bad" holds an
+    infinite value in its 4th chunk, the state comes whole from "good" and "bad"'s good chunks."""
+    network = MemoryNetwork()
+    bad, good, newcomer = network.join("bad"), network.join("good"), network.join("newcomer")
+    state = _state()
+    broken = {name: array.copy() for name, array in state.tensors.items()}
+    broken["params"][3 * CHUNK_BYTES // 4 + 1] = np.inf
+    with serving(bad, Snapshot(broken, state.counters)), serving(good, state):
+        received, stats = _fetch(newcomer, ["bad", "good"], window=4)
+    np.testing.assert_array_equal(received.tensors["params"], state.tensors["params"])
+    assert stats.dropped_sources == {"bad": "params has NaN or infinite values (chunk 3)"}
+    assert stats.chunks["good"] >= 25 - stats.chunks.get("bad", 0) and stats.chunks.get("bad", 0) <= 3
+
+
+def test_a_source_that_answers_nothing_more_is_left_after_its_patience() -> None:
+    """It sent its manifest and then no chunk: re-asking it (every retry_s) does not keep it."""
+    network = MemoryNetwork()
+    mute, newcomer = Lossy(network.join("mute"), lose=lambda _: True), network.join("newcomer")
+    started = time.monotonic()
+    with serving(mute, _state()), pytest.raises(StateTransferError, match=r"mute: silent for 1 s"):
+        _fetch(newcomer, ["mute"], retry_s=0.2, patience_s=1.0)
+    assert time.monotonic() - started < 5  # not the 10 s timeout
+
+
+def test_a_requester_that_asks_slowly_is_served_without_a_new_manifest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slow link: requests further apart than the source's RETRY_S still get chunks."""
+    monkeypatch.setattr(gossip.state_server, "RETRY_S", 0.05)
+    network = MemoryNetwork()
+    source, asker = network.join("source"), network.join("asker")
+    server = StateServer(source, _state())
+    asker.send("source", REQUEST, 0, meta={"transfer": 1, "manifest": True})
+    server.serve()
+    time.sleep(0.1)  # (twice the source's RETRY_S)
+    asker.send("source", REQUEST, 0, meta={"transfer": 1, "chunks": [0], "chunk_bytes": 1024, "settled": 0})
+    server.serve()
+    kinds = [message.kind for message in iter(lambda: asker.recv(0.5, (MANIFEST, CHUNK)), None)]
+    assert kinds == [MANIFEST, CHUNK] and server.chunks_sent == 1

@@ -103,11 +103,13 @@ def join_running_mesh(
     me = peer.node_id
     deadline = time.monotonic() + timeout
     failures: list[str] = []
+    left_out: set[str] = set()  # sources that sent a bad state or went silent: asked last
     while time.monotonic() < deadline and not cancelled():
         sources = member_order(peer.members(NOT_YET - 1) - {me})
         if not sources:
             return None
         random.Random(me).shuffle(sources)
+        sources.sort(key=lambda source: source in left_out)  # (stable: the others keep their order)
         try:
             optimizer.join_from(
                 sources[:STATE_SOURCES],
@@ -117,7 +119,9 @@ def join_running_mesh(
             )
         except StateTransferError as exc:
             failures.append(str(exc))
-            log.warning("%s: %s; asking again", me, exc)
+            left_out |= exc.dropped.keys()
+            if not cancelled():
+                log.warning("%s: %s; asking again", me, exc)
             continue
         assert optimizer.last_transfer is not None
         return optimizer.last_transfer

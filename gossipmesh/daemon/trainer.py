@@ -1,12 +1,10 @@
 """The training loop of one node: local steps through the gossip optimizer, paced, recorded.
 
-A node that starts with the mesh trains from round 0. A late joiner first takes the state
-(parameters, optimizer buffers, counters) of a member that trains, trying another when one is
-silent or sends a bad state, and starts a few rounds ahead of it; every node answers such
-requests between its steps. With a state folder the node checkpoints every few steps and when
-it stops (a checkpoint that cannot be written is counted and tried again, training goes on),
-and a restarted node resumes from its newest checkpoint (then takes a live member's state only
-if that one has trained further).
+How a node comes in (with the mesh from round 0, or with the state of members that train) is
+``gossipmesh.daemon.lifecycle``'s; the optimizer's ``step()`` answers joiners' state requests.
+With a state folder the node checkpoints every few steps and when it stops (a checkpoint that
+cannot be written is counted and tried again, training goes on), and a restarted node resumes
+from its newest checkpoint (then takes the members' state only if they trained further).
 """
 
 from __future__ import annotations
