@@ -5,6 +5,7 @@ on a machine with a CUDA GPU and cupy they run against the device too."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 import types
@@ -78,7 +79,11 @@ def test_the_bench_passes_with_numpy_standing_in_for_the_device(capsys: pytest.C
     ]
     rows = [line.split() for line in lines[3:]]
     assert [row[0] for row in rows] == list(gpu_codec.TIMED)
-    assert all(row[1] == "1e+04" and min(map(float, row[2:])) > 0 for row in rows), rows
+    # rates of a 10,000-value vector timed once: on a busy machine one may print as 0.00, so the
+    # rows are checked for form, not speed (speeds are the bench's to print, not a test's to judge)
+    assert all(
+        row[1] == "1e+04" and all(math.isfinite(float(v)) and float(v) >= 0 for v in row[2:]) for row in rows
+    ), rows
 
 
 def test_a_device_that_computes_other_bits_fails_the_checks() -> None:
