@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import re
@@ -48,12 +49,15 @@ def consecutive_free_ports(count: int) -> int:
 
 
 def get(url: str) -> tuple[int, str]:
+    """(status, body); (0, "") while nothing answers there. Polling a local port before its server
+    listens can connect the client to itself (TCP simultaneous open, when the kernel picks that
+    very port as the source): its own request comes back as a status line, also "nothing yet"."""
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, ""
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return 0, ""
 
 
