@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -166,3 +168,13 @@ def peak_memory() -> int:
     from the parent of a spawned process)."""
     status = Path("/proc/self/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
+def run_example(path: Path, argv: list[str], result: Path) -> None:
+    """A node process: the example script at ``path`` run as its ``main(argv)``, the summary it
+    returns written to ``result`` as JSON."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result.write_text(json.dumps(module.main(argv)))

@@ -3,33 +3,19 @@ on two nodes of a mesh, each in its own process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
-from helpers import addresses
+from helpers import addresses, run_example
 
 from gossip import consensus_distance
 from p2p.security import keygen
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
 STEPS = 60
-
-
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hf_trainer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run_example(argv: list[str], result: Path) -> None:
-    result.write_text(json.dumps(_load_example().main(argv)))
 
 
 @pytest.mark.mesh
@@ -44,7 +30,7 @@ def test_a_hugging_face_trainer_trains_a_gpt2_on_two_nodes(tmp_path: Path, no_ot
                 "--threads", "1", "--keys", str(keys), "--trusted", str(keys),
                 "--save-params", str(tmp_path / f"{rank}.npy"),
                 *(["--bootstrap", listen[0]] if rank else [])]  # fmt: skip
-        processes.append(fork.Process(target=_run_example, args=(argv, tmp_path / f"{rank}.json")))
+        processes.append(fork.Process(target=run_example, args=(EXAMPLE, argv, tmp_path / f"{rank}.json")))
         processes[-1].start()
     for process in processes:
         process.join(timeout=240)

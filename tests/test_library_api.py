@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
-from helpers import addresses
+from helpers import addresses, run_example
 
 from gossip import GossipOptimizer, consensus_distance
 from gossip.phases import PHASES
@@ -22,19 +20,6 @@ from p2p.security import keygen
 from topologies import Topology
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sine_regression.py"
-
-
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sine_regression", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run_example(argv: list[str], result: Path) -> None:
-    """A node process: the example script's main, its summary written to ``result``."""
-    result.write_text(json.dumps(_load_example().main(argv)))
 
 
 @pytest.mark.mesh
@@ -53,7 +38,7 @@ def test_wrapper_trains_a_user_defined_model_in_a_multiprocess_mesh(
                 "--keys", str(keys), "--trusted", str(keys),
                 "--save-params", str(tmp_path / f"{rank}.npy"),
                 *(["--bootstrap", listen[0]] if rank else [])]  # fmt: skip
-        processes.append(fork.Process(target=_run_example, args=(argv, tmp_path / f"{rank}.json")))
+        processes.append(fork.Process(target=run_example, args=(EXAMPLE, argv, tmp_path / f"{rank}.json")))
         processes[-1].start()
     for process in processes:
         process.join(timeout=120)
