@@ -12,6 +12,11 @@
    with D-PSGD (mixing the pinned host copy), in bfloat16 (``--dtype bfloat16``) and with CHOCO
    int8 (mixing on the device itself when cupy is installed; see ``bench/gpu_codec.py``).
 4. Copy throughput between the device and the pinned host copy (GB/s), per model size.
+5. The upload of mixed parameters overlapping the next forward pass (``gossip.staging``), in
+   float32 and bfloat16: the forward pass after an overlapped upload gives bitwise the output
+   of one after a blocking upload, and the time of upload + forward, blocking against
+   overlapped, beside the upload alone and the forward alone (the most overlap can save is the
+   shorter of the two).
 """
 
 from __future__ import annotations
@@ -132,6 +137,57 @@ def copy_throughput(device: str, size: int, repeat: int = 5) -> tuple[float, flo
     return rates[0], rates[1]
 
 
+def check_overlap(device: str, dtype: torch.dtype, repeat: int = 5) -> tuple[bool, dict[str, float]]:
+    """(the overlapped forward's output is bitwise the blocking one's, median ms of: upload +
+    forward blocking, the same overlapped, upload alone, forward alone)."""
+    width, batch = (4096, 16384) if device != "cpu" else (256, 64)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(device, dtype)
+    flat = FlatParameters(model.parameters(), staged=True)
+    flat.overlap_upload(model)
+    x = torch.randn(batch, width, device=device, dtype=dtype)
+    before, after = flat.array.copy(), flat.array * np.float32(0.5)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    def timed(blocking: bool | None, forward: bool) -> tuple[torch.Tensor | None, float]:
+        times, out = [], None
+        for _ in range(repeat):
+            flat.copy_to_host()  # (waits for the last upload)
+            np.copyto(flat.array, before)
+            flat.copy_to_device()  # the device holds the old parameters...
+            np.copyto(flat.array, after)  # ...and the host the mixed ones
+            sync()
+            started = time.perf_counter()
+            if blocking is not None:
+                flat.copy_to_device(blocking=blocking)
+            if forward:
+                with torch.no_grad():
+                    out = model(x)
+            sync()
+            times.append(time.perf_counter() - started)
+        return out, 1e3 * float(np.median(times))
+
+    with torch.no_grad():
+        flat.copy_to_device()
+        stale = model(x)
+    blocking_out, blocking_ms = timed(True, True)
+    overlapped_out, overlapped_ms = timed(False, True)
+    _, upload_ms = timed(True, False)
+    flat.copy_to_device()
+    _, forward_ms = timed(None, True)
+    assert blocking_out is not None and overlapped_out is not None
+    exact = torch.equal(blocking_out, overlapped_out) and not torch.equal(blocking_out, stale)
+    return exact, {
+        "blocking": blocking_ms,
+        "overlapped": overlapped_ms,
+        "upload": upload_ms,
+        "forward": forward_ms,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -166,6 +222,15 @@ def main() -> int:
     for size in SIZES:
         down, up = copy_throughput(device, size)
         print(f"| {size:.0e} | {down:.2f} | {up:.2f} |")
+    print("\n| model | upload + forward, blocking ms | overlapped ms | upload ms | forward ms | exact |")
+    print("|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        exact, ms = check_overlap(device, dtype)
+        failures += not exact
+        print(
+            f"| 8 layers, {dtype} | {ms['blocking']:.1f} | {ms['overlapped']:.1f} | {ms['upload']:.1f} "
+            f"| {ms['forward']:.1f} | {'ok' if exact else 'FAILED'} |"
+        )
     return 1 if failures else 0
 
 

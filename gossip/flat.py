@@ -7,18 +7,23 @@ float32 (float64 when the model has float64 parameters): for a float32 model on 
 the model's own memory; otherwise (a bfloat16, float16 or mixed-dtype model, a model on a GPU)
 it is a host copy, pinned for a GPU, which the training loop refreshes before the parameters
 are mixed (:meth:`copy_to_host`, exact: every narrower float widens exactly) and writes back
-after (:meth:`copy_to_device`, rounding each value once to its parameter's dtype). The wire
+after (:meth:`copy_to_device`, rounding each value once to its parameter's dtype; on a GPU the
+upload can overlap the next forward pass: ``gossip.staging``). The wire
 carries model values bucket by bucket in the model's dtypes (:attr:`layout`), so nodes on
 different devices, or mixing dtypes, gossip with each other unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from gossip.staging import STAGE_CHUNK, CopyStream, CudaCopyStream, ImmediateCopies, Stager, plan_chunks
 from gossip.vector import BFLOAT16, Layout
 
 #: the numpy dtype of each torch dtype a model may train in
@@ -41,9 +46,18 @@ class FlatParameters:
         staged: keep a separate host copy for :attr:`array`; None: when the vector cannot be
             the model's memory (a GPU model, a dtype other than the vector's, several dtypes).
             True on a CPU float32 model runs the staged path, as the tests do.
+        chunk: elements per staged copy (see ``gossip.staging``).
+        copies: where staged copies run; None: a side stream on a GPU, at once on the CPU.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], *, staged: bool | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        staged: bool | None = None,
+        chunk: int = STAGE_CHUNK,
+        copies: CopyStream | None = None,
+    ) -> None:
         unique = list({id(p): p for p in params}.values())
         if not unique:
             raise ValueError("no parameters to flatten")
@@ -62,7 +76,12 @@ class FlatParameters:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in unique:
             by_dtype.setdefault(param.dtype, []).append(param)
-        self.buckets = [_bucket(group, device) for group in by_dtype.values()]
+        self._spans: dict[int, tuple[int, int]] = {}  # id(parameter) -> its stretch of the vector
+        self.buckets: list[torch.Tensor] = []
+        for group in by_dtype.values():
+            self.buckets.append(
+                _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets))
+            )
         self.layout = Layout(tuple((NUMPY_DTYPES[b.dtype], b.numel()) for b in self.buckets))
         self.vector_dtype = torch.float64 if torch.float64 in by_dtype else torch.float32
         in_place = (
@@ -70,10 +89,20 @@ class FlatParameters:
         )
         self.staged = not in_place if staged is None else staged or not in_place
         total = sum(b.numel() for b in self.buckets)
+        on_gpu = device.type == "cuda"
         self._host = (
-            torch.empty(total, dtype=self.vector_dtype, pin_memory=device.type == "cuda")
-            if self.staged
-            else self.buckets[0]
+            torch.empty(total, dtype=self.vector_dtype, pin_memory=on_gpu) if self.staged else self.buckets[0]
+        )
+        narrow = any(b.dtype != self.vector_dtype for b in self.buckets)
+        self.stager = Stager(
+            plan_chunks(self._host, self.buckets, chunk),
+            copies or (CudaCopyStream(device) if on_gpu else ImmediateCopies()),
+            torch.empty(min(chunk, total), dtype=self.vector_dtype, device=device)
+            if on_gpu and narrow
+            else None,
+        )
+        self._chunk_starts = list(
+            itertools.accumulate((c.host.numel() for c in self.stager.chunks), initial=0)
         )
         self.copy_to_host()
 
@@ -91,35 +120,72 @@ class FlatParameters:
         return self._host.detach().numpy()
 
     def copy_to_host(self) -> None:
-        """Make :attr:`array` the model's current parameters (no-op unless staged)."""
+        """Make :attr:`array` the model's current parameters (no-op unless staged); complete on
+        return."""
         if self.staged:
-            for part, bucket in self._parts():
-                part.copy_(bucket)  # blocking: the host copy is complete on return
+            self.stager.download()
 
-    def copy_to_device(self) -> None:
+    def copy_to_device(self, *, blocking: bool = True) -> None:
         """Give the model what was written into :attr:`array`, each value rounded once to its
-        parameter's dtype (no-op unless staged)."""
-        if self.staged:
-            for part, bucket in self._parts():
-                bucket.copy_(part)
+        parameter's dtype (no-op unless staged). ``blocking=False`` only queues the upload:
+        :attr:`array` must then not be written before the next :meth:`copy_to_host`, and the
+        parameters not be read on the device before :meth:`wait_for_upload` or the forward
+        pre-hooks of :meth:`overlap_upload` (the compute stream waits; the host does not)."""
+        if not self.staged:
+            return
+        self.stager.upload()
+        if blocking:
+            self.stager.copies.drain()
+            self.stager.wait_all()
 
-    def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(segment of the host vector, bucket) pairs."""
-        parts, start = [], 0
-        for bucket in self.buckets:
-            parts.append((self._host[start : start + bucket.numel()], bucket))
-            start += bucket.numel()
-        return parts
+    @property
+    def uploads_in_background(self) -> bool:
+        """Whether :meth:`copy_to_device` can return before the copies are done (a GPU's)."""
+        return self.staged and not isinstance(self.stager.copies, ImmediateCopies)
+
+    def wait_for_upload(self) -> None:
+        """Work queued on the device from now on sees the whole upload (the host goes on)."""
+        self.stager.wait_all()
+
+    def overlap_upload(self, model: torch.nn.Module) -> list[RemovableHandle]:
+        """Forward pre-hooks that make each module of ``model`` wait only for the chunks holding
+        its own parameters, so the first layers compute while the last still upload. A
+        module's forward must read no parameter of another module (torch's layers and
+        Transformers' models do not) unless that module's forward ran first."""
+        handles = []
+        for module in model.modules():
+            chunks = frozenset(
+                index
+                for param in module.parameters(recurse=False)
+                if id(param) in self._spans
+                for index in self._chunks_of(*self._spans[id(param)])
+            )
+            if chunks:
+                handles.append(
+                    module.register_forward_pre_hook(lambda _m, _a, c=chunks: self.stager.wait_for(c))
+                )
+        return handles
+
+    def _chunks_of(self, start: int, stop: int) -> range:
+        """The chunks holding elements ``start:stop`` (not empty) of the vector."""
+        starts = self._chunk_starts
+        return range(bisect.bisect_right(starts, start) - 1, bisect.bisect_right(starts, stop - 1))
 
 
-def _bucket(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One flat tensor holding ``params`` (of one dtype), each made a view of it."""
+def _bucket(
+    params: list[torch.Tensor], device: torch.device, spans: dict[int, tuple[int, int]], *, base: int
+) -> torch.Tensor:
+    """One flat tensor holding ``params`` (of one dtype), each made a view of it; ``spans``
+    gets each parameter's stretch of the vector (none for an empty one), where the bucket
+    starts at ``base``."""
     bucket = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
     offset = 0
     for param in params:
         view = bucket[offset : offset + param.numel()]
         view.copy_(param.data.reshape(-1))
         param.data = view.view_as(param)
+        if param.numel():
+            spans[id(param)] = (base + offset, base + offset + param.numel())
         offset += param.numel()
     return bucket
 

@@ -78,6 +78,8 @@ class LiveState:
 
     def _arrays(self) -> Found:
         """(name, dtype, the tensors that make it up one after the other), under the lock."""
+        if not self._background:
+            self._flat.wait_for_upload()  # (the buckets are read on the device's compute stream)
         params = [torch.from_numpy(self._flat.array)] if self._background else list(self._flat.buckets)
         arrays = [("params", self._dtype, params)]
         pairs = [(p, self._optimizer.state.get(p, {})) for p in self._params]

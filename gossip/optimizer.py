@@ -130,6 +130,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.phases = PhaseTimer(peer.now)
         self.consensus_estimate: float | None = None
         self._before_mixing: np.ndarray | None = None
+        self._overlapping = False  # forward pre-hooks wait for the upload (overlap_upload)
         # one lock for the local step and the mixing: a background exchanger mixes at any time
         self._lock = lock if lock is not None else threading.Lock()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -180,6 +181,7 @@ class GossipOptimizer(torch.optim.Optimizer):
             self._started = self.peer.now()
         background = self.averager.mixes_in_background
         with self._lock:
+            self.flat.wait_for_upload()  # (what no forward pass waited for: the step writes it)
             if background:
                 self.flat.copy_to_device()  # what the exchanger mixed in since the last step
             self._estimate_consensus()
@@ -209,14 +211,32 @@ class GossipOptimizer(torch.optim.Optimizer):
             self.last_round = self.averager.after_step()
             with self._lock:
                 outer.move_anchor(params)
-                self.flat.copy_to_device()
+                self._upload()
             return
         self.last_round = self.averager.after_step()
         with self._lock:
             if outer is not None:
                 outer.step(params)
             if not self.mixes_in_place:
-                self.flat.copy_to_device()
+                self._upload()
+
+    def _upload(self) -> None:
+        """Queue the mixed parameters' upload (the host goes on; on a GPU the next forward pass
+        waits for it on the device: all of it, or module by module after :meth:`overlap_upload`).
+        Nothing writes the host copy before the next step's ``copy_to_host``, which waits."""
+        self.flat.copy_to_device(blocking=False)
+        if not self._overlapping:
+            self.flat.wait_for_upload()
+
+    def overlap_upload(self, model: torch.nn.Module) -> None:
+        """Let the next forward pass of ``model`` start while the mixed parameters still upload
+        to the device, each module waiting only for its own parameters (forward pre-hooks, kept
+        for the optimizer's life; see ``gossip.staging``). Only a model on a GPU uploads in the
+        background (elsewhere this does nothing); a forward pass must read parameters only
+        through their own modules."""
+        if self.flat.uploads_in_background and not self.mixes_in_place and not self._overlapping:
+            self.flat.overlap_upload(model)
+            self._overlapping = True
 
     def _estimate_consensus(self) -> None:
         """Before a local step: how far mixing (in the round, or in the background since) moved

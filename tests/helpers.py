@@ -6,8 +6,9 @@ import importlib.util
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,19 @@ def average_in_threads(
         except BaseException as exc:  # surfaced in the test thread below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(peers))]
+    run_together(partial(run, i) for i in range(len(peers)))
+    if errors:
+        raise errors[0]
+    return durations
+
+
+def run_together(targets: Iterable[Callable[[], object]]) -> None:
+    """Run each target on a thread of its own (nodes of an in-memory mesh) and wait for all."""
+    threads = [threading.Thread(target=target) for target in targets]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    if errors:
-        raise errors[0]
-    return durations
 
 
 def idle_peer(node_id: str, listen: str, bootstrap: list[str]) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
-from helpers import average_in_threads, started_peers
+from helpers import average_in_threads, run_together, started_peers
 
 from gossip import Codec, FlatParameters, GossipOptimizer, IncompatibleOptionsError, consensus_distance
 from gossipmesh.sim.memory import MemoryNetwork
@@ -74,11 +72,7 @@ def test_gossip_optimizer_steps_locally_then_averages() -> None:
             GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology=Topology("ring"))
             for m, p in zip(models, (a, b), strict=True)
         ]
-        threads = [threading.Thread(target=o.step) for o in optimizers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        run_together(o.step for o in optimizers)
     for model in models:
         torch.testing.assert_close(model.weight.detach(), torch.full((1, 2), 2.0))
     assert all(o.last_round is not None and o.last_round.arrived == 1 for o in optimizers)

@@ -8,13 +8,12 @@ import json
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import average_in_threads
+from helpers import average_in_threads, run_together
 
 from gossip import CHOCO, Algorithm, Codec, CodecError, IncompatibleOptionsError, consensus_distance
 from gossip.compression import INT8_BLOCK
@@ -216,11 +215,7 @@ def test_a_lost_update_is_repaired_with_a_full_copy() -> None:
         CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"))
         for p, v in zip(peers, vectors, strict=True)
     ]
-    threads = [threading.Thread(target=lambda c=c: [c.after_step() for _ in range(20)]) for c in choco]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together((lambda c=c: [c.after_step() for _ in range(20)]) for c in choco)
     for holder in (0, 1):
         held = choco[holder]._replicas["node-2"]
         assert held.value is not None and np.array_equal(held.value, choco[2].public)

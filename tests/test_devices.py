@@ -5,12 +5,16 @@ device runs the same lines (``bench/gpu_check.py`` checks that on a GPU machine)
 from __future__ import annotations
 
 import re
-import threading
+import subprocess
+import sys
 import time
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_together
 
 from gossip import Algorithm, Codec, FlatParameters, GossipOptimizer
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, load
@@ -72,11 +76,7 @@ def _train_pair(
             if optimizers[rank].averager.mixes_in_background:
                 time.sleep(0.002)  # let the exchanger run between steps
 
-    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(partial(train, rank) for rank in range(2))
     for optimizer in optimizers:
         optimizer.close()
     return [o.flat.tensor.detach().numpy().copy() for o in optimizers]
@@ -164,3 +164,15 @@ def test_device_flags_are_checked() -> None:
     assert load(MeshConfig, {"nodes": "3", "node_device": ["2:cpu"]}).by_rank("node_device") == {2: "cpu"}
     with pytest.raises(ConfigError, match=re.escape("--node-device: '5:cpu': rank 5 is not in 0..2")):
         load(MeshConfig, {"nodes": "3", "node_device": ["5:cpu"]})
+
+
+@pytest.mark.mesh
+def test_the_gpu_check_passes_its_dry_run_through_the_staged_path_on_the_cpu() -> None:
+    """``bench/gpu_check.py`` is what a GPU machine runs first; its CPU dry run keeps it working."""
+    script = Path(__file__).parent.parent / "bench" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdicts = [
+        line for line in done.stdout.splitlines() if line.endswith(("ok", "ok |", "FAILED", "FAILED |"))
+    ]
+    assert len(verdicts) == 2 + 1 + 3 + 2 and not any("FAILED" in line for line in verdicts), done.stdout

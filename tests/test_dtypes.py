@@ -4,12 +4,13 @@ rounded once, each bucket on the wire at its own width."""
 from __future__ import annotations
 
 import json
-import threading
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_together
 
 from gossip import Algorithm, Codec, GossipOptimizer
 from gossip.flat import FlatParameters, host_vector
@@ -59,11 +60,7 @@ def _one_round(
         GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology=Topology("complete"))
         for m, p in zip(models, peers, strict=True)
     ]
-    threads = [threading.Thread(target=o.step) for o in optimizers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(o.step for o in optimizers)
     return models, peers, before
 
 
@@ -112,11 +109,7 @@ def test_every_codec_averages_a_bfloat16_model(codec: str) -> None:
         for _ in range(30):
             optimizer.step()
 
-    threads = [threading.Thread(target=run, args=(o,)) for o in optimizers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(partial(run, o) for o in optimizers)
     gap = [torch.cat([p.detach().reshape(-1).float() for p in m.parameters()]) for m in models]
     start = [
         torch.cat([p.detach().reshape(-1).float() for p in _model(i, "bfloat16").parameters()])

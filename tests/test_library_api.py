@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import addresses, run_example
+from helpers import addresses, run_example, run_together
 
 from gossip import GossipOptimizer, consensus_distance
 from gossip.phases import PHASES
@@ -76,11 +76,7 @@ def test_phase_timer_puts_a_straggler_into_its_neighbours_wait() -> None:
             optimizer.step()
         optimizer.close()
 
-    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(partial(train, i) for i in range(2))
     fast, slow = optimizers["fast"], optimizers["slow"]
     assert set(fast.phases.totals) == set(PHASES) and set(fast.phases.last) == set(PHASES)
     # after its first round the fast node waits for each of the slow one's straggling steps

@@ -180,6 +180,7 @@ class Session:
         self.entry = Entry(config, resumed=self._checkpoint is not None)
         self.peer = make_peer(config, model, node_id=self.node_id, first_round=self.entry.first_round)
         self.optimizer = config.gossip_optimizer(optimizer, self.peer)
+        self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.members: list[str] = []
         self.transfer: TransferStats | None = None
         self.resumed_from = self._checkpoint.path if self._checkpoint is not None else None

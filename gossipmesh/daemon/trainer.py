@@ -64,6 +64,7 @@ class Trainer:
         self.lock = threading.Lock()
         network = peer if config.byzantine is None else ByzantinePeer(peer, config.byzantine)
         self.optimizer = config.gossip_optimizer(config.local_optimizer(model), network, lock=self.lock)
+        self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.recorder = Recorder(
             evaluate=self._evaluate,
             progress=self._progress,

@@ -24,12 +24,20 @@ from p2p import Peer
 
 
 class GossipCallback(TrainerCallback):
-    """Logs ``gossip_round`` and ``gossip_consensus`` beside the loss; at the end of training
-    stops the optimizer's background work and leaves the mesh after its last round."""
+    """Logs ``gossip_round`` and ``gossip_consensus`` beside the loss; on a GPU lets each
+    forward pass overlap the upload of the parameters mixed in the last round; at the end of
+    training stops the optimizer's background work and leaves the mesh after its last round."""
 
     def __init__(self, optimizer: GossipOptimizer, peer: Peer) -> None:
         self.optimizer = optimizer
         self.peer = peer
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = kwargs.get("model")
+        if model is not None:  # on a GPU: the next forward pass overlaps the upload after a round
+            self.optimizer.overlap_upload(model)
 
     def on_log(
         self,
