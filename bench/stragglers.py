@@ -15,7 +15,8 @@ and examples it took, final accuracy (lowest node), bytes sent per node, and the
 time to DDP's. A PNG shows the lowest node's accuracy against wall time for every arm.
 
 With ``--partition dirichlet:0.5`` every arm (DDP's ranks too) trains on the same label-skewed
-shards.
+shards. An arm ``ALGORITHM+qgm`` (``dpsgd+qgm``) puts the momentum on the model's movement,
+mixing included, instead of on the local gradients (``--quasi-global-momentum``).
 
     python bench/stragglers.py [--nodes 8] [--slowdowns 1,2,4,8] [--target 0.94] [--png FILE]
                                [--partition iid|dirichlet:ALPHA]
@@ -140,12 +141,18 @@ def run_ddp(
 # -- the gossip arms -----------------------------------------------------------------------------
 
 
+QUASI_GLOBAL = "+qgm"  # an arm's suffix: the momentum on the model's movement (gossip.momentum)
+
+
 def run_gossip(
-    algorithm: str, nodes: int, duration: float, compute_ms: float, slowdown: float, partition: DataPartition
+    name: str, nodes: int, duration: float, compute_ms: float, slowdown: float, partition: DataPartition
 ) -> Arm:
+    algorithm = name.removesuffix(QUASI_GLOBAL)
     argv = ["--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
     argv += ["--compute-ms", f"{compute_ms:g}", "--lr", str(LR), "--batch-size", str(BATCH)]
     argv += ["--partition", str(partition)]
+    momentum = ["--momentum", "0", "--quasi-global-momentum", str(MOMENTUM)]
+    argv += momentum if name.endswith(QUASI_GLOBAL) else ["--momentum", str(MOMENTUM)]
     if slowdown > 1:
         argv += ["--slowdown", f"{nodes - 1}:{slowdown:g}"]
     report = quiet_mesh(argv)
@@ -154,7 +161,7 @@ def run_gossip(
         [{**p, "t": round(p["t"] - start, 3)} for p in n["timeline"] if p["t"] >= start]
         for n in report["nodes"]
     ]
-    return Arm(algorithm, slowdown, timelines)
+    return Arm(name, slowdown, timelines)
 
 
 # -- the table and the plot ----------------------------------------------------------------------
@@ -210,7 +217,9 @@ def main() -> None:
     )
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--slowdowns", default="1,2,4,8", help="comma-separated factors for the slowed node")
-    parser.add_argument("--arms", default="ddp,dpsgd,sgp,adpsgd", help="ddp and/or gossipmesh algorithms")
+    parser.add_argument(
+        "--arms", default="ddp,dpsgd,sgp,adpsgd", help="ddp and/or gossipmesh algorithms (ALGORITHM+qgm too)"
+    )
     parser.add_argument("--target", type=float, default=0.94, help="held-out accuracy every node must reach")
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--duration", type=float, default=40.0, help="seconds each run trains")

@@ -21,11 +21,12 @@ import torch
 
 from gossip.algorithms import Algorithm
 from gossip.arrays import from_torch, shares_memory
-from gossip.averager import RoundStats
+from gossip.averager import IncompatibleOptionsError, RoundStats
 from gossip.compression import Codec
 from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
 from gossip.live_state import LiveState
+from gossip.momentum import QuasiGlobalMomentum
 from gossip.network import PeerNetwork
 from gossip.outer import OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
@@ -91,6 +92,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             evaluate the model consistently; None: a lock of its own.
         robust: a Byzantine-robust mixing rule (``RobustRule.parse("clip:b=1")``), dpsgd only;
             None: the plain weighted mean.
+        quasi_global_momentum: β of a momentum step on the model's movement, mixing included,
+            after each local step (``gossip.momentum``; give the local optimizer no momentum of
+            its own); 0: none. Not with an outer step, which has a momentum of its own.
         staged: mix a host copy of the parameters, copied from the device before a round and
             back after it (before and after every step with a background exchanger); None: when
             the model is not on the CPU (see ``gossip.flat``). CHOCO without an outer step
@@ -116,9 +120,15 @@ class GossipOptimizer(torch.optim.Optimizer):
         lock: AbstractContextManager[object] | None = None,
         robust: RobustRule | None = None,
         staged: bool | None = None,
+        quasi_global_momentum: float = 0.0,
     ) -> None:
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, got {average_every}")
+        if quasi_global_momentum and outer_lr is not None:
+            raise IncompatibleOptionsError(
+                "--quasi-global-momentum does not go with --local-steps: its outer step has a "
+                "momentum of its own (--outer-momentum)"
+            )
         super().__init__(optimizer.param_groups, optimizer.defaults)  # torch's hooks and step profiling
         self.param_groups = optimizer.param_groups  # the same groups and state as the wrapped one
         self.state = optimizer.state
@@ -161,6 +171,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             if outer_lr is not None
             else None
         )
+        self.momentum = (
+            QuasiGlobalMomentum(self.flat.buckets, quasi_global_momentum) if quasi_global_momentum else None
+        )
         self._rounds_at_start = 0
         self._started: float | None = None
         self._state = LiveState(
@@ -185,7 +198,11 @@ class GossipOptimizer(torch.optim.Optimizer):
             if background:
                 self.flat.copy_to_device()  # what the exchanger mixed in since the last step
             self._estimate_consensus()
+            if self.momentum is not None:
+                self.momentum.before_step()
             loss = self.optimizer.step(closure)
+            if self.momentum is not None:
+                self.momentum.after_step()
             self.local_steps += 1
             round_due = self.local_steps % self.average_every == 0
             sampled = self.local_steps % (self.average_every * CONSENSUS_EVERY) == 0
@@ -270,6 +287,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         if self.outer is not None:
             gossip["outer_anchor"] = torch.from_numpy(self.outer.anchor.copy())
             gossip["outer_velocity"] = torch.from_numpy(self.outer.velocity.copy())
+        if self.momentum is not None:
+            gossip["quasi_global_velocity"] = [v.detach().cpu().clone() for v in self.momentum.velocity]
         state[GOSSIP_STATE] = gossip
         return state
 
@@ -294,6 +313,13 @@ class GossipOptimizer(torch.optim.Optimizer):
                 if "outer_anchor" in gossip:
                     np.copyto(self.outer.anchor, gossip["outer_anchor"].numpy())
                     np.copyto(self.outer.velocity, gossip["outer_velocity"].numpy())
+            if self.momentum is not None:
+                self.momentum.restart()
+                if "quasi_global_velocity" in gossip:
+                    for velocity, saved in zip(
+                        self.momentum.velocity, gossip["quasi_global_velocity"], strict=True
+                    ):
+                        velocity.copy_(saved)
 
     @property
     def round(self) -> int:
@@ -354,8 +380,11 @@ class GossipOptimizer(torch.optim.Optimizer):
                     f"{expected.dtype}{list(expected.shape)}"
                 )
         with self._lock:
+            self.flat.copy_to_host()  # (waits for an upload still reading the host copy)
             np.copyto(reference, snapshot.tensors["params"])
             self.flat.copy_to_device()
+            if self.momentum is not None:
+                self.momentum.restart()
             for name, array in snapshot.tensors.items():
                 if name.startswith("optimizer."):
                     self._load_optimizer_buffer(name.removeprefix("optimizer."), array)

@@ -76,10 +76,16 @@ class Averaging(Options):
     local_steps: int | None = o.LOCAL_STEPS.field()
     outer_lr: float = o.OUTER_LR.field()
     outer_momentum: float = o.OUTER_MOMENTUM.field()
+    quasi_global_momentum: float = o.QUASI_GLOBAL_MOMENTUM.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.algorithm.check(topology=self.topology, codec=self.compression, robust=self.robust)
+        check(
+            not (self.quasi_global_momentum and self.local_steps),
+            "--quasi-global-momentum",
+            "not with --local-steps: its outer step has a momentum of its own (--outer-momentum)",
+        )
         check(
             self.local_steps is None or self.average_every == 1,
             "--local-steps",
@@ -107,6 +113,7 @@ class Averaging(Options):
             outer_momentum=self.outer_momentum,
             round_timeout=self.round_timeout,
             robust=self.robust,
+            quasi_global_momentum=self.quasi_global_momentum,
             **options,
         )
 

@@ -160,6 +160,14 @@ OUTER_LR = Option(_POSITIVE, "the outer learning rate with --local-steps", 0.7)
 OUTER_MOMENTUM = Option(
     number(float, at_least=0, below=1), "the outer Nesterov momentum with --local-steps", 0.9
 )
+QUASI_GLOBAL_MOMENTUM = Option(
+    number(float, at_least=0, below=1),
+    "quasi-global momentum (Lin et al. 2021): a momentum step of this beta on the model's "
+    "movement, mixing included, after each local step; for label-skewed data, with --momentum 0 "
+    "(0: none)",
+    0.0,
+    metavar="BETA",
+)
 ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 2.0)
 COMPUTE_MS = Option(
     number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0
