@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from gossip.staging import STAGE_CHUNK, CopyStream, CudaCopyStream, ImmediateCopies, Stager, plan_chunks
+from gossip.staging import (
+    STAGE_CHUNK,
+    CopyStream,
+    CudaCopyStream,
+    ImmediateCopies,
+    Stager,
+    plan_chunks,
+    repeated_blocks,
+)
 from gossip.vector import BFLOAT16, Layout
 
 #: the numpy dtype of each torch dtype a model may train in
@@ -147,24 +155,29 @@ class FlatParameters:
         """Work queued on the device from now on sees the whole upload (the host goes on)."""
         self.stager.wait_all()
 
-    def overlap_upload(self, model: torch.nn.Module) -> list[RemovableHandle]:
-        """Forward pre-hooks that make each module of ``model`` wait only for the chunks holding
-        its own parameters, so the first layers compute while the last still upload. A
-        module's forward must read no parameter of another module (torch's layers and
-        Transformers' models do not) unless that module's forward ran first."""
-        handles = []
-        for module in model.modules():
-            chunks = frozenset(
-                index
-                for param in module.parameters(recurse=False)
-                if id(param) in self._spans
-                for index in self._chunks_of(*self._spans[id(param)])
-            )
-            if chunks:
-                handles.append(
-                    module.register_forward_pre_hook(lambda _m, _a, c=chunks: self.stager.wait_for(c))
-                )
-        return handles
+    def overlap_upload(
+        self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module] | None = None
+    ) -> list[RemovableHandle]:
+        """Forward pre-hooks that let ``model``'s first blocks compute while the last still
+        upload: the model waits for the chunks of its parameters outside the blocks (uploaded
+        first), each block for those of its own (see ``gossip.staging`` for what this asks of
+        the model). ``blocks``: None: the items of its largest ModuleList or Sequential."""
+        blocks = repeated_blocks(model) if blocks is None else blocks
+        inside = {id(p) for block in blocks for p in block.parameters()}
+        rest = self._chunks_for(p for p in model.parameters() if id(p) not in inside)
+        per_block = [self._chunks_for(block.parameters()) for block in blocks]
+        self.stager.upload_first([rest, *per_block])
+        return [
+            module.register_forward_pre_hook(lambda _m, _a, c=chunks: self.stager.wait_for(c))
+            for module, chunks in ((model, rest), *zip(blocks, per_block, strict=True))
+            if chunks
+        ]
+
+    def _chunks_for(self, params: Iterable[torch.Tensor]) -> frozenset[int]:
+        """The chunks holding these (flattened) parameters."""
+        return frozenset(
+            index for p in params if id(p) in self._spans for index in self._chunks_of(*self._spans[id(p)])
+        )
 
     def _chunks_of(self, start: int, stop: int) -> range:
         """The chunks holding elements ``start:stop`` (not empty) of the vector."""

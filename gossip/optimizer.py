@@ -245,14 +245,14 @@ class GossipOptimizer(torch.optim.Optimizer):
         if not self._overlapping:
             self.flat.wait_for_upload()
 
-    def overlap_upload(self, model: torch.nn.Module) -> None:
+    def overlap_upload(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module] | None = None) -> None:
         """Let the next forward pass of ``model`` start while the mixed parameters still upload
-        to the device, each module waiting only for its own parameters (forward pre-hooks, kept
-        for the optimizer's life; see ``gossip.staging``). Only a model on a GPU uploads in the
-        background (elsewhere this does nothing); a forward pass must read parameters only
-        through their own modules."""
+        to the device, each block (``blocks``; None: the items of the model's largest
+        ModuleList or Sequential) waiting only for its own parameters (forward pre-hooks, kept
+        for the optimizer's life; see ``gossip.staging`` for what this asks of the model). Only
+        a model on a GPU uploads in the background; elsewhere this does nothing."""
         if self.flat.uploads_in_background and not self.mixes_in_place and not self._overlapping:
-            self.flat.overlap_upload(model)
+            self.flat.overlap_upload(model, blocks)
             self._overlapping = True
 
     def _estimate_consensus(self) -> None:

@@ -3,11 +3,16 @@ so that the upload of the mixed parameters overlaps the next forward pass.
 
 After a gossip round the host vector holds the mixed parameters. The upload is queued chunk by
 chunk on a copy stream and the host goes on at once; each chunk records an event. The compute
-stream waits (on the device: the host never blocks) for a chunk only where it is first needed:
-in a forward pre-hook of each module whose parameters the chunk holds, so the first layers
-compute while the last ones are still uploading; for whatever no forward waited on, before the
-next optimizer step. The host vector is not written again before the uploads have read it: the
-next download drains the copy stream first. A chunk of a bucket narrower than the vector
+stream waits (on the device: the host never blocks) for a chunk only where it is first needed.
+The model is seen as its blocks (the items of its largest ``nn.ModuleList`` or ``nn.Sequential``:
+a transformer's layers, an MLP's) and the rest (embeddings, a head): the rest is uploaded first
+and waited for in the model's forward pre-hook, then each block's chunks, each waited for in the
+block's own pre-hook, so the first blocks compute while the last are still uploading. This holds
+while each block reads only parameters inside it (a fused attention reading its projections'
+weights does) and nothing outside a block reads a block's parameters without calling it.
+Whatever no forward pass waited for is waited for before the next optimizer step. The host
+vector is not written again before the uploads have read it: the next download drains the copy
+stream first. A chunk of a bucket narrower than the vector
 (bfloat16, float16) is widened or rounded on the device through one chunk-sized buffer, so
 staging needs at most one chunk of device memory beyond the model.
 
@@ -17,7 +22,7 @@ chunk-and-wait logic with a copy stream that runs a chunk only when it is waited
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -116,6 +121,12 @@ class Stager:
         self.copies = copies
         self._buffer = buffer
         self._unwaited: set[int] = set()  # uploaded chunks the compute stream has not waited for
+        self.upload_order = list(range(len(chunks)))
+
+    def upload_first(self, groups: Sequence[Iterable[int]]) -> None:
+        """Upload these groups of chunks first, in this order (then the others)."""
+        order = dict.fromkeys(index for group in groups for index in sorted(group))
+        self.upload_order = [*order, *(i for i in range(len(self.chunks)) if i not in order)]
 
     def download(self) -> None:
         """The host vector := the buckets (the host waits for it)."""
@@ -129,7 +140,8 @@ class Stager:
         """Queue the buckets := the host vector, each value rounded once to its bucket's dtype;
         returns before the copies are done (:meth:`wait_for`, :meth:`wait_all`)."""
         self.copies.begin()  # (after the compute stream's last use of the old parameters)
-        for index, chunk in enumerate(self.chunks):
+        for index in self.upload_order:
+            chunk = self.chunks[index]
             self.copies.run(index, partial(self._copy, chunk.host, chunk.device))
         self._unwaited = set(range(len(self.chunks)))
 
@@ -154,3 +166,13 @@ class Stager:
         else:  # upload: copy to the device, then round on it
             buffer.copy_(source, non_blocking=True)
             target.copy_(buffer)
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The items with parameters of the model's largest ``nn.ModuleList`` or ``nn.Sequential``
+    (by parameters; the model itself counts): its layers. None found: no blocks."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return [item for item in largest if any(True for _ in item.parameters())]

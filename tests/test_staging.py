@@ -71,8 +71,9 @@ def test_chunks_cut_each_bucket_and_cover_the_vector_once() -> None:
     ]
 
 
-def test_each_module_waits_only_for_the_chunks_of_its_own_parameters() -> None:
-    model = _model(0)
+def _deferred(model: torch.nn.Module) -> tuple[FlatParameters, DeferredCopies, np.ndarray, np.ndarray]:
+    """A staged model with hooks whose host copy was changed and whose upload is queued:
+    (flat, its copy stream, the values before, the values uploading)."""
     copies = DeferredCopies()
     flat = FlatParameters(model.parameters(), staged=True, chunk=CHUNK, copies=copies)
     flat.overlap_upload(model)
@@ -82,7 +83,12 @@ def test_each_module_waits_only_for_the_chunks_of_its_own_parameters() -> None:
     flat.copy_to_device(blocking=False)
     assert len(copies.queued) == -(-new.size // CHUNK)  # queued, nothing copied yet
     np.testing.assert_array_equal(_values(model), old)
+    return flat, copies, old, new
 
+
+def test_each_block_waits_only_for_the_chunks_of_its_own_parameters() -> None:
+    model = _model(0)  # a Sequential: its layers are the blocks
+    _, copies, old, new = _deferred(model)
     x = torch.randn(3, 16)
     model[0](x)  # the first layer's forward: values 0..272, in chunks 0..2 (0..300)
     np.testing.assert_array_equal(_values(model[0]), new[:272])
@@ -93,6 +99,44 @@ def test_each_module_waits_only_for_the_chunks_of_its_own_parameters() -> None:
     assert not copies.queued
     np.testing.assert_array_equal(_values(model), new)
     torch.testing.assert_close(out, functional_call(_model(0), _with(model, new), (x,)), rtol=0, atol=0)
+
+
+class Tower(torch.nn.Module):
+    """An embedding, blocks that read their children's weights without calling them (torch's
+    fused encoder layer does, in inference), and a head: parameters outside the blocks at both
+    ends of the vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+            for _ in range(3)
+        )
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)  # type: ignore[no-any-return]
+
+
+def test_the_rest_of_the_model_uploads_first_and_each_block_sees_all_of_its_own() -> None:
+    model = Tower().eval()
+    flat, copies, _, new = _deferred(model)
+    embed, head = model.embed.weight.numel() + 16, model.head.weight.numel() + 4
+    rest = {i for i in range(len(copies.queued)) if i * CHUNK < embed or (i + 1) * CHUNK > new.size - head}
+    assert list(copies.queued)[: len(rest)] == sorted(rest)  # embedding and head first, then the blocks
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        out = model(x)
+    np.testing.assert_array_equal(_values(model), new)
+    with torch.no_grad():
+        expected = functional_call(Tower().eval(), _with(model, new), (x,))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert flat.uploads_in_background
 
 
 def test_a_narrower_model_is_rounded_once_chunk_by_chunk() -> None:
