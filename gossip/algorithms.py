@@ -4,7 +4,8 @@
 name        what it is                                                parameters (default)
 ==========  ========================================================  =========================
 dpsgd       synchronous D-PSGD; a round waits (bounded) for the       backup (0: all),
-            neighbours (overlap=1: for last round's, mixed late)       overlap (0), staleness (0)
+            neighbours (overlap=1: for last round's, mixed late);     overlap (0), staleness (0),
+            every exact_every-th round averages all members           exact_every (0: never)
 sgp         Stochastic Gradient Push: push-sum on a directed,         overlap (1), staleness (256)
             time-varying graph
 adpsgd      asynchronous pairwise averaging on a background thread;   interval_ms (5),
@@ -57,7 +58,14 @@ FAMILIES: dict[str, _Family] = {
     for family in (
         _Family(
             DPSGD,
-            Params({"backup": _COUNT, "overlap": number(int, at_least=0, at_most=1), **_STALENESS}),
+            Params(
+                {
+                    "backup": _COUNT,
+                    "overlap": number(int, at_least=0, at_most=1),
+                    "exact_every": _COUNT,
+                    **_STALENESS,
+                }
+            ),
             Topology("ring"),
             {"staleness": "max_staleness"},
         ),

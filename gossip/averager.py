@@ -181,15 +181,17 @@ class Averager:
             self.peer.missed(node)
             self._silent.add(node)
 
-    def _row(self, r: int) -> MixingRow:
-        """This node's row of round ``r``, from the membership of that round."""
+    def _row(self, r: int, topology: Topology | None = None) -> MixingRow:
+        """This node's row of round ``r`` on ``topology`` (default: the averager's), from the
+        membership of that round."""
+        topology = topology or self.topology
         members = self.peer.members(r)
-        row = mixing_row(self.topology, members, self.peer.node_id, r)
-        if row.topology != self.topology:
+        row = mixing_row(topology, members, self.peer.node_id, r)
+        if row.topology != topology:
             if self.fallback_rounds == 0:
                 log.warning(
                     "%s is not defined for %d members: averaging on %s until it is",
-                    self.topology,
+                    topology,
                     len(members),
                     row.topology,
                 )

@@ -22,6 +22,12 @@ models is kept exactly. With γ = 1 the delayed iteration z² = z - γ(1 - μ) d
 has an eigenvalue μ <= 0; with γ = 1/2 it contracts for every μ > -1, at about half of
 D-PSGD's rate per round (1 - (1 - μ)/2 against μ).
 
+Periodic exact averaging (``exact_every=P``): every P-th round is on the complete graph of the
+round's members, so when every value arrives the models leave it equal to their average
+(gossip with periodic global averaging, Chen et al. 2021): the models drift apart between two
+such rounds by what P sparse rounds leave, whatever the graph's spectral gap, for n - 1
+models sent in one round of P.
+
 Waits come from measured round times (see ``Averager.wait_limit``); a neighbour that misses a
 round is not waited for again until it is heard from (``Averager._went_silent``).
 """
@@ -41,6 +47,7 @@ from gossip.vector import Frames, Layout
 from topologies import MixingRow, Topology
 
 KIND = "params"
+COMPLETE = Topology("complete")
 OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed mixing (see above)
 
 
@@ -50,6 +57,7 @@ class DPSGD(Averager):
     backup: proceed once this many neighbours' values are in (0: wait for all of them).
     overlap: 1: mix the values of the previous round (see above); 0: of this round.
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
+    exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.robust``).
     """
 
@@ -71,6 +79,7 @@ class DPSGD(Averager):
         overlap: int = 0,
         max_rounds_ahead: int = 64,
         robust: RobustRule | None = None,
+        exact_every: int = 0,
     ) -> None:
         super().__init__(
             peer,
@@ -85,6 +94,7 @@ class DPSGD(Averager):
             raise ValueError(f"dpsgd overlap is 0 or 1 round, got {overlap}")
         self.backup = backup
         self.overlap = overlap
+        self.exact_every = exact_every
         self._sent: dict[int, np.ndarray] = {}  # own values of rounds whose mixing is to come
         self.robust = robust
         self._max_ahead = max_rounds_ahead
@@ -103,7 +113,7 @@ class DPSGD(Averager):
         the previous round's)."""
         self._time_round()
         r = self.round
-        sending = self._row(r)
+        sending = self._round_row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
         frames = self.layout.pack(snapshot)
         for target in sending.send_to:
@@ -115,7 +125,7 @@ class DPSGD(Averager):
             self._sent[r] = snapshot
         if own is None:  # the first overlapped round: nothing sent before it to mix
             return RoundStats(mixed, 0, 0, 0.0, sending.topology)
-        row = self._row(mixed) if self.overlap else sending
+        row = self._round_row(mixed) if self.overlap else sending
         started = self.peer.now()
         values = self._gather(mixed, row)
         wait_s = self.peer.now() - started
@@ -126,6 +136,11 @@ class DPSGD(Averager):
                 self.params *= OVERLAP_GAMMA
                 self.params += snapshot
         return RoundStats(mixed, len(row.receive_from), len(values), wait_s, row.topology)
+
+    def _round_row(self, r: int) -> MixingRow:
+        """The row of round ``r``: on the complete graph every ``exact_every``-th round."""
+        exact = self.exact_every and r % self.exact_every == self.exact_every - 1
+        return self._row(r, COMPLETE if exact else None)
 
     def _gather(self, r: int, row: MixingRow) -> dict[str, tuple[Frames, int]]:
         """Neighbours' values for round r as (frames, age in rounds)."""

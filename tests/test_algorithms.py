@@ -35,6 +35,20 @@ def test_push_sum_reaches_the_exact_mean_in_log2_n_rounds_on_one_peer_exponentia
         np.testing.assert_allclose(vector, target, atol=1e-12)
 
 
+def test_every_exact_every_th_dpsgd_round_averages_all_members_exactly() -> None:
+    vectors = start_vectors(8, seed=6)
+    target = np.mean(vectors, axis=0)
+    history: list[list[np.ndarray]] = [[] for _ in vectors]
+    average_in_threads(
+        memory_mesh(8), vectors, topology="ring", rounds=6, algorithm="dpsgd:exact_every=3", history=history
+    )
+    gaps = [consensus_distance([h[r] for h in history]) for r in range(6)]
+    assert gaps[1] > 0.05 and gaps[0] > gaps[1]  # two ring rounds: far from consensus...
+    assert gaps[2] < 1e-12 and gaps[5] < 1e-12  # ...the third round of each three is exact
+    for vector in vectors:
+        np.testing.assert_allclose(vector, target, atol=1e-12)
+
+
 def test_push_sum_with_overlap_converges_to_the_exact_mean_on_a_directed_graph() -> None:
     vectors = start_vectors(8, seed=4)
     target = np.mean(vectors, axis=0)
