@@ -35,6 +35,8 @@ ARMS: dict[str, list[str]] = {
     "adpsgd": ["--algorithm", "adpsgd"],
     "sgp": ["--algorithm", "sgp"],
     **{arm: COMPRESSION_ARMS[arm] for arm in ("int8", "topk:0.01", "H=10", "H=10+int8", "H=10 overlap")},
+    "H=auto": ["--local-steps", "auto"],  # the mesh agrees on H from measured times (gossip.local_steps)
+    "H=auto+int8": ["--local-steps", "auto", "--algorithm", "choco", "--compression", "int8"],
 }
 
 

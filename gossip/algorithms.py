@@ -49,6 +49,7 @@ class _Family:
     params: Params
     default_topology: Topology
     renamed: Mapping[str, str]  # spelling -> the averager's keyword (staleness -> max_staleness)
+    mixes_late: bool = False  # by default (overlap unless overlap=0; a background exchanger)
 
 
 _COUNT = number(int, at_least=0)
@@ -74,12 +75,14 @@ FAMILIES: dict[str, _Family] = {
             Params({"overlap": _COUNT, **_STALENESS}),
             Topology("one-peer-exponential"),
             {"staleness": "max_staleness"},
+            mixes_late=True,
         ),
         _Family(
             ADPSGD,
             Params({"interval_ms": number(float, above=0), **_STALENESS}),
             Topology("ring"),
             {"staleness": "max_staleness"},
+            mixes_late=True,
         ),
         _Family(CHOCO, Params({"gamma": number(float, above=0, at_most=1)}), Topology("ring"), {}),
     )
@@ -103,6 +106,13 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
     @property
     def compresses(self) -> bool:
         return self.family.averager.needs.compression
+
+    @property
+    def mixes_late(self) -> bool:
+        """Whether it mixes values a round late (``overlap``) or in the background, off the
+        round the training loop runs, so a round's cost is hidden from it."""
+        overlap = self.options.get("overlap")
+        return self.family.mixes_late if overlap is None else overlap > 0
 
     def check(
         self,

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,9 +26,10 @@ from gossip.compression import Codec
 from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
 from gossip.live_state import LiveState
+from gossip.local_steps import AgreeingPeer, LocalStepsAgreement, check_auto
 from gossip.momentum import QuasiGlobalMomentum
 from gossip.network import PeerNetwork
-from gossip.outer import OuterNesterov
+from gossip.outer import MIN_LOCAL_STEPS, OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.robust import RobustRule
 from gossip.state import Snapshot, StateTransferError
@@ -37,6 +38,7 @@ from gossip.state_server import StateServer
 from topologies import Topology
 
 DPSGD_ALGORITHM = Algorithm("dpsgd")
+AUTO = "auto"  # average_every chosen by the mesh (gossip.local_steps)
 GOSSIP_STATE = "gossip"  # the key of the gossip state in GossipOptimizer.state_dict()
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
 CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
@@ -54,6 +56,7 @@ class GossipStatistics:
     dropped: dict[str, int]  # well-formed ones not used (stale, too early...), by reason
     phase_seconds: dict[str, float]  # totals per phase (``gossip.phases``)
     consensus: float | None  # the latest consensus estimate (see GossipOptimizer)
+    local_steps_per_epoch: list[tuple[int, int]]  # with "auto": (first round of an epoch, its H)
 
 
 class GossipOptimizer(torch.optim.Optimizer):
@@ -80,7 +83,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             ``gossip.algorithms``).
         topology: the graph to average on (``Topology.parse("random-regular:degree=4")``);
             None: the algorithm's usual one (``one-peer-exponential`` for sgp, ``ring`` otherwise).
-        average_every: local steps between gossip rounds (H).
+        average_every: local steps between gossip rounds (H); ``"auto"``: chosen by the mesh
+            from measured step and round times, one H per epoch of rounds
+            (``gossip.local_steps``; not with ``adpsgd`` or ``overlap``, which hide a round's cost).
         compression: the codec for what is sent (``Codec.parse("int8")``); None: none. Only
             an algorithm that compresses (choco) takes one.
         outer_lr: with a value, local-steps training as DiLoCo: every H steps the gossip-mixed
@@ -112,7 +117,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         peer: PeerNetwork,
         algorithm: Algorithm = DPSGD_ALGORITHM,
         topology: Topology | None = None,
-        average_every: int = 1,
+        average_every: int | Literal["auto"] = 1,
         compression: Codec | None = None,
         outer_lr: float | None = None,
         outer_momentum: float = 0.9,
@@ -122,8 +127,10 @@ class GossipOptimizer(torch.optim.Optimizer):
         staged: bool | None = None,
         quasi_global_momentum: float = 0.0,
     ) -> None:
-        if average_every < 1:
-            raise ValueError(f"average_every must be >= 1, got {average_every}")
+        if average_every != AUTO and not (isinstance(average_every, int) and average_every >= 1):
+            raise ValueError(f"average_every must be >= 1 or 'auto', got {average_every!r}")
+        if average_every == AUTO:
+            check_auto(algorithm)
         if quasi_global_momentum and outer_lr is not None:
             raise IncompatibleOptionsError(
                 "--quasi-global-momentum does not go with --local-steps: its outer step has a "
@@ -135,6 +142,14 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.peer = peer
         self.average_every = average_every
+        self.local_steps_agreement = (
+            LocalStepsAgreement(min_h=MIN_LOCAL_STEPS if outer_lr is not None else 1)
+            if average_every == AUTO
+            else None
+        )
+        self._steps_since_round = 0
+        self._round_ran = False
+        self._last_step_end: float | None = None
         self.local_steps = 0
         self.last_round: RoundStats | None = None
         self.phases = PhaseTimer(peer.now)
@@ -156,8 +171,10 @@ class GossipOptimizer(torch.optim.Optimizer):
             and buckets[0].dtype == torch.float32
             and shares_memory(buckets[0])
         )
+        timed = TimedPeer(peer, self.phases)
+        agreement = self.local_steps_agreement
         self.averager = algorithm.build(
-            TimedPeer(peer, self.phases),
+            timed if agreement is None else AgreeingPeer(timed, agreement),
             from_torch(buckets[0]) if self.mixes_in_place else self.flat.array,
             topology=topology,
             round_timeout=round_timeout,
@@ -204,17 +221,39 @@ class GossipOptimizer(torch.optim.Optimizer):
             if self.momentum is not None:
                 self.momentum.after_step()
             self.local_steps += 1
-            round_due = self.local_steps % self.average_every == 0
-            sampled = self.local_steps % (self.average_every * CONSENSUS_EVERY) == 0
+            self._steps_since_round += 1
+            round_due = self._steps_since_round >= self.steps_per_round
+            sampled = round_due and self.averager.round % CONSENSUS_EVERY == CONSENSUS_EVERY - 1
             if sampled or ((round_due or background) and not self.mixes_in_place):
                 self.flat.copy_to_host()
             if sampled:
                 self._before_mixing = self.flat.array.copy()
+        if self.local_steps_agreement is not None and self._last_step_end is not None:
+            self.local_steps_agreement.observe(step_s=self.peer.now() - self._last_step_end)
+        self._round_ran = round_due
         if round_due:
+            round_started = self.peer.now()
             with self.phases.round():
                 self._gossip()
+            self._steps_since_round = 0
+            if self.local_steps_agreement is not None:
+                self.local_steps_agreement.observe(round_s=self.peer.now() - round_started)
         self._state_server.poll()
+        self._last_step_end = self.peer.now()
         return loss
+
+    @property
+    def steps_per_round(self) -> int:
+        """H before the next round: ``average_every``, or the mesh's agreed one with ``"auto"``."""
+        agreement = self.local_steps_agreement
+        if agreement is None:
+            return int(self.average_every)
+        return agreement.h_for(self.averager.round)
+
+    @property
+    def round_ran(self) -> bool:
+        """Whether the last :meth:`step` ran a gossip round."""
+        return self._round_ran
 
     def _gossip(self) -> None:
         """A gossip round, with the outer step around it in local-steps training: after the
@@ -306,6 +345,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         with self._lock:
             self.flat.copy_to_host()
             self.local_steps = int(gossip["local_steps"])
+            fixed = self.local_steps_agreement is None
+            self._steps_since_round = self.local_steps % self.steps_per_round if fixed else 0
             self.averager.restart(int(gossip["round"]))
             self._rounds_at_start = self.averager.round
             if self.outer is not None:
@@ -339,6 +380,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             dropped=dict(averager.dropped),
             phase_seconds={phase: round(s, 4) for phase, s in self.phases.totals.items()},
             consensus=self.consensus_estimate,
+            local_steps_per_epoch=list(
+                self.local_steps_agreement.history if self.local_steps_agreement else []
+            ),
         )
 
     @property

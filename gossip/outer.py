@@ -17,6 +17,8 @@ import numpy as np
 
 from gossip.vector import add_scaled, scratch_for
 
+MIN_LOCAL_STEPS = 10  # fewer inner steps a round, and the outer momentum compounds the inner one
+
 
 class OuterNesterov:
     def __init__(self, params: np.ndarray, *, lr: float = 0.7, momentum: float = 0.9) -> None:

@@ -65,6 +65,8 @@ class NodeRecord:
     error: str | None = None
     shard: dict[str, Any] = field(default_factory=dict)  # partition, examples, examples per label
     phase_seconds: dict[str, float] = field(default_factory=dict)  # totals per phase (gossip.phases)
+    # with --local-steps/--average-every auto: [first round of an epoch, the H the mesh agreed]
+    local_steps_per_epoch: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -118,6 +120,7 @@ def node_record(
         record.topology_fallback_rounds = gossip.fallback_rounds
         record.staleness = gossip.staleness
         record.phase_seconds = gossip.phase_seconds
+        record.local_steps_per_epoch = [list(decision) for decision in gossip.local_steps_per_epoch]
     rejected = Counter(gossip.rejected if gossip else {})
     dropped = Counter(gossip.dropped if gossip else {})
     if network is not None:

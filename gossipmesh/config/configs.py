@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from gossip import Algorithm, Codec, GossipOptimizer, PeerNetwork, RobustRule
+from gossip.local_steps import check_auto
+from gossip.optimizer import AUTO
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -72,8 +74,8 @@ class Averaging(Options):
     compression: Codec = o.COMPRESSION.field()
     robust: RobustRule | None = o.ROBUST.field()
     round_timeout: float = o.ROUND_TIMEOUT.field()
-    average_every: int = o.AVERAGE_EVERY.field()
-    local_steps: int | None = o.LOCAL_STEPS.field()
+    average_every: int | Literal["auto"] = o.AVERAGE_EVERY.field()
+    local_steps: int | Literal["auto"] | None = o.LOCAL_STEPS.field()
     outer_lr: float = o.OUTER_LR.field()
     outer_momentum: float = o.OUTER_MOMENTUM.field()
     quasi_global_momentum: float = o.QUASI_GLOBAL_MOMENTUM.field()
@@ -81,6 +83,8 @@ class Averaging(Options):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.algorithm.check(topology=self.topology, codec=self.compression, robust=self.robust)
+        if AUTO in (self.average_every, self.local_steps):
+            check_auto(self.algorithm)
         check(
             not (self.quasi_global_momentum and self.local_steps),
             "--quasi-global-momentum",

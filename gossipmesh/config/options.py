@@ -105,6 +105,17 @@ _POSITIVE = number(float, above=0)
 _AT_LEAST_ONE = number(int, at_least=1)
 _PORT = number(int, at_least=1, at_most=65535)
 
+
+def _steps_or_auto(text: str) -> int | Literal["auto"]:
+    """A number of local steps >= 1, or ``auto`` (chosen by the mesh: ``gossip.local_steps``)."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return _AT_LEAST_ONE(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or auto") from None
+
+
 # -- what a node trains, and how it averages --------------------------------------------------
 TASK = Option(
     TaskRef.parse,
@@ -148,12 +159,17 @@ SEED = Option(
     "seed of what is drawn at random: the model, data split, sampling (and the simulator's draws)",
     0,
 )
-AVERAGE_EVERY = Option(_AT_LEAST_ONE, "local steps between gossip rounds (plain local SGD)", 1)
+AVERAGE_EVERY = Option(
+    _steps_or_auto,
+    "local steps between gossip rounds (plain local SGD); auto: the mesh agrees on H from "
+    "measured step and round times, so rounds take at most a fifth of the time",
+    1,
+)
 LOCAL_STEPS = Option(
-    _AT_LEAST_ONE,
+    _steps_or_auto,
     "DiLoCo: H local steps, then gossip and an outer Nesterov step on the mixed change "
     "(for H of 10 and more: with a few steps the outer momentum compounds the inner one; "
-    "use --average-every there)",
+    "use --average-every there); auto: H agreed by the mesh, as for --average-every",
     metavar="H",
 )
 OUTER_LR = Option(_POSITIVE, "the outer learning rate with --local-steps", 0.7)

@@ -212,7 +212,7 @@ class Trainer:
 
     def _observe(self, metrics: NodeMetrics) -> None:
         metrics.beat()
-        if self.optimizer.local_steps % self.optimizer.average_every == 0:
+        if self.optimizer.round_ran:
             metrics.observe_round(self.optimizer.phases.last)
 
     def _progress(self) -> dict[str, Any]:
