@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,10 +60,8 @@ def average_in_threads(
     compression: str = "none",
 ) -> list[list[float]]:
     """Run ``rounds`` rounds of pure averaging (no training) on every peer at once; returns
-    round durations. Each wait for a neighbour lasts up to ``timeout``: the averagers' shortening
-    of it to a multiple of recent round times is off, so a thread descheduled on a busy machine
-    does not miss a round and the math comes out exact. With ``history``, node i's vector after
-    each round is appended to ``history[i]``."""
+    round durations. Each wait for a neighbour lasts up to ``timeout`` (:func:`full_waits`).
+    With ``history``, node i's vector after each round is appended to ``history[i]``."""
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
     spec = Algorithm.parse(algorithm)
@@ -88,11 +86,18 @@ def average_in_threads(
         except BaseException as exc:  # surfaced in the test thread below
             errors.append(exc)
 
-    with mock.patch.object(averager_module, "MIN_WAIT_S", math.inf):
+    with full_waits():
         run_together(partial(run, i) for i in range(len(peers)))
     if errors:
         raise errors[0]
     return durations
+
+
+def full_waits() -> AbstractContextManager[object]:
+    """Averagers made inside wait up to their round timeout for every neighbour: their
+    shortening of the wait to a multiple of recent round times is off, so a thread descheduled
+    on a busy machine does not miss a round of a test that checks the math exactly."""
+    return mock.patch.object(averager_module, "MIN_WAIT_S", math.inf)
 
 
 def run_together(targets: Iterable[Callable[[], object]]) -> None:

@@ -9,7 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from helpers import run_together
+from helpers import full_waits, run_together
 
 from gossip import GossipOptimizer, IncompatibleOptionsError
 from gossipmesh.sim.memory import MemoryNetwork
@@ -43,7 +43,8 @@ def _quadratics(*, momentum: float, quasi_global: float) -> tuple[float, float]:
             optimizers[i].step()
         optimizers[i].close()
 
-    run_together(partial(train, i) for i in range(NODES))
+    with full_waits():  # (the math of every round is checked: no neighbour may miss one)
+        run_together(partial(train, i) for i in range(NODES))
     finals = np.stack([p.detach().numpy() for p in params])
     optimum = centres.mean(axis=0)
     return float(np.linalg.norm(finals - optimum, axis=1).mean()), float(
