@@ -107,7 +107,8 @@ class LocalStepsAgreement:
         return [epoch, self._largest.get(epoch, h), h]
 
     def incoming(self, value: Any) -> None:
-        """Take what a message carried (anything malformed is ignored: it is a peer's word)."""
+        """Take what a message carried (anything malformed is ignored, and nothing below this
+        node's floor is taken: it is a peer's word)."""
         if not (
             isinstance(value, list)
             and len(value) == 3
@@ -118,6 +119,7 @@ class LocalStepsAgreement:
         ):
             return
         epoch, largest, in_force = value
+        largest, in_force = (max(v, self.min_h) if v else 0 for v in (largest, in_force))
         newest = max(self._in_force)
         if epoch < newest or epoch > newest + 1:
             return  # an old epoch's, or from too far ahead to place

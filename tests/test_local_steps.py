@@ -99,6 +99,9 @@ def test_a_node_that_missed_the_agreement_takes_the_larger_h_in_force() -> None:
     for hostile in ([5, 10**9, 1], [5, 1], "x", [5.0, 1, 1], [-1, 1, 1]):
         behind.incoming(hostile)  # ignored
     assert behind.h_for(5 * EPOCH_ROUNDS + 2) == 30
+    outer = LocalStepsAgreement(min_h=10)  # with the outer step: never below 10, whatever is heard
+    outer.incoming([1, 1, 1])
+    assert outer.h_for(EPOCH_ROUNDS) == 10 and outer.h_for(2 * EPOCH_ROUNDS) == 10
 
 
 def test_auto_refuses_algorithms_that_hide_a_rounds_cost() -> None:
