@@ -107,10 +107,11 @@ class Peer:
         cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         """Block until this node has joined a mesh (any mesh, with no bootstrap) of at least
-        ``expect`` members (taking part in gossip ``round``, when given), or ``cancelled()``;
+        ``expect`` members (taking part in gossip ``round``, this node among them, when given:
+        its own :meth:`start_at_round` is applied on the network thread), or ``cancelled()``;
         raise TransportError after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while not (self.membership.joined.is_set() and len(self.members(round)) >= expect):
+        while not self._ready(expect, round):
             self.transport.check_running()
             if cancelled():
                 return
@@ -120,6 +121,12 @@ class Peer:
                 time.sleep(0.05)  # which starved the network and ZAP threads of the GIL)
             else:
                 self.membership.joined.wait(0.05)
+
+    def _ready(self, expect: int, round: int | None) -> bool:
+        if not self.membership.joined.is_set():
+            return False
+        members = self.members(round)
+        return len(members) >= expect and (round is None or self.node_id in members)
 
     def now(self) -> float:
         return time.monotonic()
