@@ -1,12 +1,17 @@
 """Stochastic Gradient Push (Assran et al., ICML 2019): push-sum on directed, time-varying graphs.
 
-Each node keeps a numerator x and a weight w; its model is the de-biased z = x / w. After a
-local step (the optimizer moved z by delta, so x moves by w * delta: z = x / w still holds and the
-step is exactly the optimizer's, even when asynchrony has moved w far from 1), the node keeps a share
-1 / (d + 1) of (x, w) and pushes an equal share to each of its d out-neighbours of the round
-(one per round on the default one-peer exponential graph), then adds every share it has
-received. Column-stochastic mixing conserves the sums of x and w, so z tends to the true average
-even on directed graphs where no doubly-stochastic weights exist.
+Each node keeps a weight w and its de-biased model z (push-sum's numerator is x = w z). After a
+local step (the optimizer's step moves z, as it would alone), the node keeps a share 1 / (d + 1)
+of its weight and pushes (z, w / (d + 1)) to each of its d out-neighbours of the round (one per
+round on the default one-peer exponential graph); a received share (z_j, w_j) is mixed in as
+z <- (w z + w_j z_j) / (w + w_j), w <- w + w_j. Column-stochastic mixing conserves the sums of
+x and w, so z tends to the true average even on directed graphs where no doubly-stochastic
+weights exist.
+
+The model, not the numerator, is what is stored and sent: a node that receives nothing for a
+while (its in-neighbours stopped or fell behind) halves w every round, and a float32 numerator
+x = w z loses its precision below 1e-38 and reaches 0/0 after about 150 such rounds; z mixed as a
+weighted mean stays exact at any w.
 
 ``overlap`` is how many rounds a share may take to arrive: with 0 a node waits (bounded) for
 this round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends this round's
@@ -35,6 +40,7 @@ from topologies import Topology, mixing_row
 
 KIND = "push"
 HOLD_ROUNDS = 8
+MIN_WEIGHT = float(np.finfo(np.float64).tiny)
 
 
 class SGP(Averager):
@@ -65,9 +71,7 @@ class SGP(Averager):
             layout=layout,
         )
         self.overlap = overlap
-        self.weight = 1.0  # w
-        self._numerator = params.copy()  # x (= w z)
-        self._model = params.copy()  # the z handed to the optimizer after the last round
+        self.weight = 1.0  # w (z is ``params``)
         self._arrived: set[tuple[str, int]] = set()  # (sender, round) of the shares mixed in
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # shares for rounds this node has not reached
@@ -75,24 +79,20 @@ class SGP(Averager):
     def after_step(self) -> RoundStats:
         self._time_round()
         r = self.round
-        with self.lock:  # x += w * (what the optimizer did to z since the last round)
-            add_scaled(self._numerator, self.params, self.weight, self._scratch)
-            add_scaled(self._numerator, self._model, -self.weight, self._scratch)
         row = self._row(r)
         share = 1.0 / (len(row.send_to) + 1)
-        pushed = self._numerator * share  # a new array: it stays untouched while in flight
-        weight = np.array([self.weight * share])
-        for target in row.send_to:
-            self.peer.send(target, KIND, r, [pushed, weight])
-        self._numerator *= share
-        self.weight *= share
+        # (at least the smallest float: a node cut off for a thousand rounds still pushes a weight)
+        self.weight = max(self.weight * share, MIN_WEIGHT)
+        if row.send_to:
+            with self.lock:
+                pushed = self.params.copy()  # it stays untouched while in flight
+            weight = np.array([self.weight])
+            for target in row.send_to:
+                self.peer.send(target, KIND, r, [pushed, weight])
         started = self.peer.now()
         expected = self._expected(r - self.overlap)
         self._take_shares(r, expected)
         wait_s = self.peer.now() - started
-        with self.lock:
-            np.divide(self._numerator, self.weight, out=self.params)
-            np.copyto(self._model, self.params)
         self.round += 1
         return RoundStats(r, len(expected), len(expected & self._arrived), wait_s, row.topology)
 
@@ -102,8 +102,6 @@ class SGP(Averager):
     def restart(self, round: int) -> None:
         super().restart(round)
         self.weight = 1.0
-        np.copyto(self._numerator, self.params)
-        np.copyto(self._model, self.params)
         self._arrived.clear()
         self._later.clear()
 
@@ -146,7 +144,10 @@ class SGP(Averager):
             return
         if not self._fresh(message.round, r):
             return
-        add_scaled(self._numerator, message.tensors[0], 1.0, self._scratch)
-        self.weight += float(weight[0])
+        total = self.weight + float(weight[0])
+        with self.lock:  # z += (w_j / (w + w_j)) (z_j - z)
+            self.params *= self.weight / total
+            add_scaled(self.params, message.tensors[0], float(weight[0]) / total, self._scratch)
+        self.weight = total
         self._arrived.add((message.sender, message.round))
         self._newest[message.sender] = max(self._newest.get(message.sender, -1), message.round)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import average_in_threads, wait_until
 
-from gossip import ADPSGD, DPSGD, Algorithm, IncompatibleOptionsError, consensus_distance
+from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, consensus_distance
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import SpecError, Topology
 
@@ -33,6 +33,23 @@ def test_push_sum_reaches_the_exact_mean_in_log2_n_rounds_on_one_peer_exponentia
     )
     for vector in vectors:
         np.testing.assert_allclose(vector, target, atol=1e-12)
+
+
+def test_a_push_sum_node_that_hears_nothing_for_a_thousand_rounds_keeps_its_model() -> None:
+    """Its weight halves every round it pushes and receives nothing (its in-neighbour stopped):
+    a float32 numerator x = w z reached 0/0 after about 150 rounds. Its model stays exact, and
+    the first share it hears again is mixed in by weight."""
+    lonely, silent = memory_mesh(2)
+    model = np.linspace(-1.0, 1.0, 41, dtype=np.float32)
+    start = model.copy()
+    sgp = SGP(lonely, model, topology=Topology.parse("ring"), round_timeout=0.0005)
+    for _ in range(1100):
+        sgp.after_step()
+    np.testing.assert_array_equal(model, start)
+    assert 0.0 < sgp.weight < 1e-300
+    silent.send("node-0", "push", sgp.round, [np.full(41, 5.0, np.float32), np.array([0.5])])
+    sgp.after_step()
+    np.testing.assert_allclose(model, 5.0, rtol=1e-6)  # its own weight is nothing beside 0.5
 
 
 def test_every_exact_every_th_dpsgd_round_averages_all_members_exactly() -> None:
