@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -28,16 +28,23 @@ from gossip.flat import host_vector
 from gossipmesh import logs
 from gossipmesh.cli import main as cli_main
 from gossipmesh.cli.main import USER_ERRORS
-from gossipmesh.config import NodeConfig, summary
+from gossipmesh.config import ConfigError, NodeConfig, summary
 from gossipmesh.console import emit, say
 from gossipmesh.daemon.checkpoint import load_newest
 from gossipmesh.daemon.lifecycle import Entry
+from gossipmesh.daemon.local_ranks import (
+    RankPlace,
+    collective_timeout,
+    gather_rank_records,
+    join_local_group,
+    supervise,
+)
 from gossipmesh.daemon.metrics import NodeMetrics
-from gossipmesh.daemon.peers import default_id, make_peer
+from gossipmesh.daemon.peers import default_id, machine_peer, make_peer
 from gossipmesh.daemon.status_server import StatusServer
 from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_json
-from p2p import Peer
+from p2p import LocalRankPeer, Peer
 from p2p.security import insecure_warning
 
 log = logging.getLogger(logs.NODE_LOGGER)
@@ -47,8 +54,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     """Run one daemon until its steps or duration are spent or ``stop`` is set.
 
     The report (and the final parameters, if asked) are written whatever happens once the
-    node is listening. Raises TransportError / AddressError / TopologyError / StatusServerError
-    for what the user must fix.
+    node's network is made (a node that cannot bind its port reports that too). Raises
+    TransportError / AddressError / TopologyError / StatusServerError for what the user must fix.
     """
     origin = config.clock_origin if config.clock_origin is not None else time.time()
 
@@ -58,17 +65,33 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    place = RankPlace.from_environment()
+    if place is not None and config.device == "cuda":  # one device per local rank
+        config = replace(config, device=f"cuda:{place.local_rank}")
+        torch.cuda.set_device(place.local_rank)
+    group = join_local_group(config.device, collective_timeout(config)) if place is not None else None
+    if group is not None and group.rank > 0:  # rank 0 keeps the machine's state, report and metrics
+        config = replace(
+            config, state_dir=None, report=None, save_params=None, metrics_port=None, progress="none"
+        )
     task = config.task.make()
     model = config.dtype.apply(task.model(config.seed)).to(config.device)
+    # (torch's first optimizer imports for seconds: before joining, not between joining a running
+    # mesh and taking its state, while the mesh may end)
+    local_optimizer = config.local_optimizer(model)
     node_id = config.id or default_id(config.listen)
     if config.insecure:
         say(config.progress, f"WARNING: {insecure_warning()}")
     checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
     entry = Entry(config, resumed=checkpoint is not None)
-    peer = make_peer(config, model, node_id=node_id, clock=clock, first_round=entry.first_round)
+    peer: Peer | LocalRankPeer
+    if group is None:
+        peer = make_peer(config, model, node_id=node_id, clock=clock, first_round=entry.first_round)
+    else:
+        peer = machine_peer(config, model, group, node_id=node_id, clock=clock, first_round=entry.first_round)
     peer.transport.on_failure = lambda _: stop.set()  # a node whose network died must not train on
     metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
-    metrics.peer = peer
+    metrics.peer = peer if isinstance(peer, Peer) else None  # (a machine's rank 0 serves metrics)
     status: StatusServer | None = None
     trainer: Trainer | None = None
     rank, outcome, error = -1, "failed", None
@@ -78,31 +101,46 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         metrics.beat()  # waiting for peers is the daemon's loop making progress
         return stop.is_set()
 
-    peer.start()
     started = time.monotonic()
     try:
+        peer.start()  # (a network thread that dies while it starts still leaves a report)
         say(
             config.progress, f"{node_id} listening on {peer.address}", event="listening", address=peer.address
         )
         if config.metrics_port is not None:
             status = StatusServer(metrics, config.metrics_port, config.metrics_host)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
-        ordered = entry.wait_for_members(peer, cancelled)
+        ordered = entry.wait_for_members(peer, cancelled, group)
         rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": rank, "members": ordered})
-        trainer = Trainer(config, task, model, peer, rank, clock, metrics)
+        trainer = Trainer(
+            config,
+            task,
+            model,
+            peer,
+            rank,
+            clock,
+            local_optimizer,
+            metrics,
+            local_group=group,
+        )
         if checkpoint is not None:
             trainer.resume(checkpoint)
             when["resumed_from"] = str(checkpoint.path)
             say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {trainer.steps})")
         transfer = entry.come_in(peer, trainer.optimizer, ordered, cancelled)
+        trainer.came_in(transfer)
         if transfer is not None:
             when["t_joined"] = round(clock(), 3)
-            trainer.joined(transfer)
-        if not stop.is_set():
+        if group is not None or not stop.is_set():  # (a machine's ranks agree on stopping in run)
             trainer.run(stop)
         peer.transport.check_running()  # a network that died stopped training: that is a failure
+        if group is not None:
+            params = host_vector(model.parameters())
+            when["local_ranks"] = gather_rank_records(
+                group, peer, trainer.steps, trainer.data_batches, params
+            )
         outcome = "finished"
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -131,7 +169,11 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
 
 
 def _save(
-    config: NodeConfig, record: NodeRecord, model: torch.nn.Module, peer: Peer, wall_time_s: float
+    config: NodeConfig,
+    record: NodeRecord,
+    model: torch.nn.Module,
+    peer: Peer | LocalRankPeer,
+    wall_time_s: float,
 ) -> None:
     """The report first (it says what happened, whatever fails after it), then the parameters."""
     if config.report is not None:
@@ -140,7 +182,7 @@ def _save(
             config=summary(config),
             nodes=[asdict(record)],
             consensus_distance=0.0,
-            membership_events=peer.membership.events,
+            membership_events=peer.membership.events if isinstance(peer, Peer) else [],
         )
         write_json(config.report, report)
     if config.save_params is not None:
@@ -168,6 +210,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def node_command(config: NodeConfig) -> int:
     """``gossipmesh node``: run the daemon until done or signalled (a second signal stops it now)."""
     logs.configure(config.log_format)
+    place = RankPlace.from_environment()
+    if place is None and config.local_ranks > 1:  # this process supervises the machine's ranks
+        return supervise(config.local_ranks, lambda: node_command(config))
+    if place is not None and config.local_ranks not in (1, place.size):
+        raise ConfigError(
+            f"--local-ranks {config.local_ranks}, but LOCAL_WORLD_SIZE={place.size} (torchrun's "
+            "--nproc-per-node): give one of them"
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -12,6 +12,9 @@
    with D-PSGD (mixing the pinned host copy), in bfloat16 (``--dtype bfloat16``) and with CHOCO
    int8 (mixing on the device itself when cupy is installed; see ``bench/gpu_codec.py``).
 4. Copy throughput between the device and the pinned host copy (GB/s), per model size.
+6. A mesh of 2 machines of 2 local ranks each (``--local-ranks 2``: one device per rank, NCCL
+   inside the machine; gloo with ``--device cpu``) trains to the target with bitwise-equal
+   parameters on the ranks of each machine. Needs 2 GPUs (skipped, and said, with fewer).
 5. The upload of mixed parameters overlapping the next forward pass (``gossip.staging``), in
    float32 and bfloat16: the forward pass after an overlapped upload gives bitwise the output
    of one after a blocking upload, and the time of upload + forward, blocking against
@@ -122,6 +125,17 @@ def check_mesh(device: str, flags: list[str]) -> list[float]:
     return [n["final"]["accuracy"] for n in report["nodes"]]
 
 
+def check_local_ranks(device: str) -> tuple[list[float], bool]:
+    """Two machines of two local ranks: the accuracies, and whether each machine's ranks ended
+    with bitwise-equal parameters."""
+    report = quiet_mesh(
+        ["--nodes", "2", "--local-ranks", "2", "--steps", "300", "--insecure", "--device", device]
+    )
+    machines = report["nodes"]
+    equal = all(len({r["params_digest"] for r in m["local_ranks"]}) == 1 for m in machines)
+    return [m["final"]["accuracy"] for m in machines], equal
+
+
 def copy_throughput(device: str, size: int, repeat: int = 5) -> tuple[float, float]:
     """GB/s of (device to pinned host, pinned host to device) for ``size`` float32s."""
     flat = FlatParameters([torch.zeros(size, device=device)], staged=True)
@@ -217,6 +231,20 @@ def main() -> int:
         shown = ", ".join(f"{a:.3f}" for a in accuracies)
         print(
             f"{name} mesh, node 0 on {device}: accuracy {shown} (target {TARGET})  {'ok' if ok else 'FAILED'}"
+        )
+    if device == "cpu" or torch.cuda.device_count() >= 2:
+        accuracies, equal = check_local_ranks(device)
+        ok = min(accuracies) >= TARGET and equal
+        failures += not ok
+        shown = ", ".join(f"{a:.3f}" for a in accuracies)
+        print(
+            f"2 machines x 2 local ranks on {device}: accuracy {shown}, ranks equal {equal}  "
+            f"{'ok' if ok else 'FAILED'}"
+        )
+    else:
+        print(
+            f"2 machines x 2 local ranks: skipped, {torch.cuda.device_count()} GPU here "
+            "(NCCL needs one a rank)"
         )
     print(f"\n| float32s | {device} -> host copy GB/s | host copy -> {device} GB/s |\n|---|---|---|")
     for size in SIZES:

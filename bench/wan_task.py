@@ -1,6 +1,6 @@
 """The digits task on wider MLPs, for benchmarks where sending the model is what costs:
-``--task wan_task:width_1024`` (64-1024-1024-10, 1.1M parameters, 4.3 MB) or ``width_2048``
-(4.3M parameters, 17 MB)."""
+``--task wan_task:width_1024`` (64-1024-1024-10, 1.1M parameters, 4.3 MB), ``width_2048``
+(4.3M parameters, 17 MB) or ``width_5000`` (25M parameters, 100 MB)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,10 @@ def width_1024() -> WideDigits:
 
 def width_2048() -> WideDigits:
     return WideDigits(2048)
+
+
+def width_5000() -> WideDigits:
+    return WideDigits(5000)
+
+
+WIDTHS = (1024, 2048, 5000)

@@ -26,6 +26,7 @@ from gossip.compression import Codec
 from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
 from gossip.live_state import LiveState
+from gossip.local_group import BackwardAveraging, LocalGroup
 from gossip.local_steps import AgreeingPeer, LocalStepsAgreement, check_auto
 from gossip.momentum import QuasiGlobalMomentum
 from gossip.network import PeerNetwork
@@ -105,6 +106,12 @@ class GossipOptimizer(torch.optim.Optimizer):
             the model is not on the CPU (see ``gossip.flat``). CHOCO without an outer step
             mixes the model's own memory instead (``mixes_in_place``: cupy kernels on a CUDA
             device, see ``gossip.arrays``), falling back to the host copy without cupy.
+        local_group: this process is one local rank of a machine of several
+            (``gossip.local_group``): each backward pass ends by averaging the gradients over
+            the machine's ranks, as DDP's does (do not wrap the model in DDP as well), and each
+            rank gossips its slice of the parameters through ``peer``: local rank 0's
+            ``p2p.Peer``, the others' ``p2p.LocalRankPeer``. With ``average_every="auto"``
+            rank 0 takes part in the mesh's agreement and the others take its H.
 
     Options that do not go together (a codec for an algorithm that sends whole models...)
     raise ``gossip.IncompatibleOptionsError`` here, as they fail the command line's checks.
@@ -126,11 +133,15 @@ class GossipOptimizer(torch.optim.Optimizer):
         robust: RobustRule | None = None,
         staged: bool | None = None,
         quasi_global_momentum: float = 0.0,
+        local_group: LocalGroup | None = None,
     ) -> None:
         if average_every != AUTO and not (isinstance(average_every, int) and average_every >= 1):
             raise ValueError(f"average_every must be >= 1 or 'auto', got {average_every!r}")
         if average_every == AUTO:
             check_auto(algorithm)
+        if local_group is not None:
+            local_group.check_network(peer)
+        self.local_group = local_group
         if quasi_global_momentum and outer_lr is not None:
             raise IncompatibleOptionsError(
                 "--quasi-global-momentum does not go with --local-steps: its outer step has a "
@@ -142,11 +153,11 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.peer = peer
         self.average_every = average_every
-        self.local_steps_agreement = (
-            LocalStepsAgreement(min_h=MIN_LOCAL_STEPS if outer_lr is not None else 1)
-            if average_every == AUTO
-            else None
-        )
+        min_h = MIN_LOCAL_STEPS if outer_lr is not None else 1
+        # with "auto" the machine's H is its local rank 0's, handed to the others after each round
+        decides = average_every == AUTO and (local_group is None or local_group.rank == 0)
+        self.local_steps_agreement = LocalStepsAgreement(min_h=min_h) if decides else None
+        self._machine_h = min_h
         self._steps_since_round = 0
         self._round_ran = False
         self._last_step_end: float | None = None
@@ -159,12 +170,14 @@ class GossipOptimizer(torch.optim.Optimizer):
         # one lock for the local step and the mixing: a background exchanger mixes at any time
         self._lock = lock if lock is not None else threading.Lock()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._gradients = BackwardAveraging(local_group, self._params) if local_group is not None else None
         self.flat = FlatParameters(self._params, staged=staged)
         # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
         # device, only the encoded frames staged); the outer step and the others need the host copy
         buckets = self.flat.buckets
         self.mixes_in_place = (
-            self.flat.staged
+            local_group is None
+            and self.flat.staged
             and algorithm.compresses
             and outer_lr is None
             and len(buckets) == 1
@@ -173,15 +186,22 @@ class GossipOptimizer(torch.optim.Optimizer):
         )
         timed = TimedPeer(peer, self.phases)
         agreement = self.local_steps_agreement
+        if self.mixes_in_place:
+            mixed, layout = from_torch(buckets[0]), None
+        elif local_group is not None:  # this rank's slice (a view: mixing writes the vector)
+            lo, hi = local_group.bounds(self.flat.array.size)[local_group.rank]
+            mixed, layout = self.flat.array[lo:hi], self.flat.layout.slice(lo, hi)
+        else:
+            mixed, layout = self.flat.array, self.flat.layout
         self.averager = algorithm.build(
             timed if agreement is None else AgreeingPeer(timed, agreement),
-            from_torch(buckets[0]) if self.mixes_in_place else self.flat.array,
+            mixed,
             topology=topology,
             round_timeout=round_timeout,
             lock=self._lock,
             codec=compression,
             robust=robust,
-            layout=None if self.mixes_in_place else self.flat.layout,
+            layout=layout,
         )
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
@@ -209,6 +229,12 @@ class GossipOptimizer(torch.optim.Optimizer):
         one is due; returns what the wrapped step returned."""
         if self._started is None:
             self._started = self.peer.now()
+        if self._gradients is not None:  # one replica: every rank takes the mean gradient
+            if closure is not None:
+                with torch.enable_grad():
+                    closure_loss = closure()
+                closure = lambda: closure_loss  # noqa: E731 - the step returns what it returned
+            self._gradients.before_step()
         background = self.averager.mixes_in_background
         with self._lock:
             self.flat.wait_for_upload()  # (what no forward pass waited for: the step writes it)
@@ -246,9 +272,9 @@ class GossipOptimizer(torch.optim.Optimizer):
     def steps_per_round(self) -> int:
         """H before the next round: ``average_every``, or the mesh's agreed one with ``"auto"``."""
         agreement = self.local_steps_agreement
-        if agreement is None:
-            return int(self.average_every)
-        return agreement.h_for(self.averager.round)
+        if agreement is not None:
+            return agreement.h_for(self.averager.round)
+        return self._machine_h if self.average_every == AUTO else int(self.average_every)
 
     @property
     def round_ran(self) -> bool:
@@ -261,20 +287,35 @@ class GossipOptimizer(torch.optim.Optimizer):
         goes out and mixing corrects the anchor without passing through the outer momentum
         (momentum on a one-round-old correction diverges)."""
         outer, params = self.outer, self.flat.array
+        if self.local_group is not None:
+            self.local_group.share_view(self.peer)
         if outer is not None and self.averager.overlap:
             with self._lock:
                 outer.step(params)
-            self.last_round = self.averager.after_step()
+            self._mix()
             with self._lock:
                 outer.move_anchor(params)
                 self._upload()
             return
-        self.last_round = self.averager.after_step()
+        self._mix()
         with self._lock:
             if outer is not None:
                 outer.step(params)
             if not self.mixes_in_place:
                 self._upload()
+
+    def _mix(self) -> None:
+        """The algorithm's round; on a machine of local ranks, then every rank's mixed slice
+        to the others, so all hold the same parameters again."""
+        self.last_round = self.averager.after_step()
+        group = self.local_group
+        if group is not None:
+            with self._lock:
+                group.share_slices(self.flat.array)
+            if self.average_every == AUTO:  # every rank steps to rank 0's H
+                agreement = self.local_steps_agreement
+                h = agreement.h_for(self.averager.round) if agreement is not None else None
+                self._machine_h = group.share_int(h)
 
     def _upload(self) -> None:
         """Queue the mixed parameters' upload (the host goes on; on a GPU the next forward pass
@@ -306,6 +347,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         """Stop the algorithm's background work and answering newcomers (call when training ends)."""
         self.averager.close()
         self._state_server.close()
+        if self._gradients is not None:
+            self._gradients.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -345,7 +388,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         with self._lock:
             self.flat.copy_to_host()
             self.local_steps = int(gossip["local_steps"])
-            fixed = self.local_steps_agreement is None
+            fixed = self.average_every != AUTO
             self._steps_since_round = self.local_steps % self.steps_per_round if fixed else 0
             self.averager.restart(int(gossip["round"]))
             self._rounds_at_start = self.averager.round
@@ -435,6 +478,22 @@ class GossipOptimizer(torch.optim.Optimizer):
                 elif name.startswith("scalar."):
                     self._load_optimizer_scalar(name.removeprefix("scalar."), array)
         self.local_steps = int(snapshot.counters.get("local_steps", 0))
+
+    def share_state(self) -> None:
+        """Give every local rank local rank 0's training state and round (a collective: call it
+        on all ranks after rank 0 joined a running mesh with :meth:`join_from`)."""
+        group = self.local_group
+        if group is None:
+            raise ValueError("share_state is for a GossipOptimizer with a local_group")
+        snapshot = group.share_snapshot(self.snapshot() if group.rank == 0 else None)
+        if group.rank == 0:
+            return
+        self.restore(snapshot)
+        first_round = int(snapshot.counters.get("round", 0))
+        self.averager.restart(first_round)
+        if self.outer is not None:
+            self.outer.reset(self.flat.array)
+        self._rounds_at_start = first_round
 
     def serve_state(self, wait: float = 0.0) -> int:
         """Answer newcomers' state requests waiting in the inbox (the first for up to ``wait``

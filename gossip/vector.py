@@ -60,6 +60,16 @@ class Layout:
         """The vector sent as it is."""
         return cls(((vector.dtype, vector.size),))
 
+    def slice(self, lo: int, hi: int) -> Layout:
+        """The layout of elements ``lo:hi`` of the vector (a local rank's slice)."""
+        buckets, start = [], 0
+        for dtype, size in self.buckets:
+            overlap = min(hi, start + size) - max(lo, start)
+            if overlap > 0:
+                buckets.append((dtype, overlap))
+            start += size
+        return Layout(tuple(buckets) or ((self.buckets[0][0], 0),))
+
     def pack(self, vector: np.ndarray) -> list[np.ndarray]:
         """The frames of ``vector``: views where a bucket has the vector's dtype, else copies
         rounded to the bucket's dtype (exact for values read from the model)."""

@@ -67,6 +67,12 @@ class NodeRecord:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # totals per phase (gossip.phases)
     # with --local-steps/--average-every auto: [first round of an epoch, the H the mesh agreed]
     local_steps_per_epoch: list[list[int]] = field(default_factory=list)
+    # a machine of several local ranks (--local-ranks): one entry per rank (local_rank, address,
+    # steps, bytes_sent and bytes_received on the network, bytes_local through the machine's
+    # collectives, params_digest of its final parameters); the machine's bytes_sent /
+    # bytes_received are then the ranks' sums
+    local_ranks: list[dict[str, Any]] = field(default_factory=list)
+    bytes_local: int = 0  # the ranks' bytes_local summed
 
 
 @dataclass
@@ -132,6 +138,9 @@ def node_record(
     record.rejected_by_reason = dict(rejected)
     record.messages_rejected = sum(rejected.values())
     record.dropped_by_reason = dict(dropped)
+    if record.local_ranks:
+        for total in ("bytes_sent", "bytes_received", "bytes_local"):
+            setattr(record, total, sum(int(r[total]) for r in record.local_ranks))
     return record
 
 

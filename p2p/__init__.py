@@ -1,6 +1,7 @@
 """Everything that touches the network: wire format, transport, membership. No torch here."""
 
 from p2p.address import AddressError
+from p2p.local_rank import LocalRankPeer
 from p2p.peer import Peer
 from p2p.transport import Transport, TransportError, TransportStats
 from p2p.wire import Limits, Message, WireError, decode, encode
@@ -8,6 +9,7 @@ from p2p.wire import Limits, Message, WireError, decode, encode
 __all__ = [
     "AddressError",
     "Limits",
+    "LocalRankPeer",
     "Message",
     "Peer",
     "Transport",

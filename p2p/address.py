@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 from contextlib import ExitStack
+from pathlib import Path
 
 # a host: [IPv6], or an IPv4 address or DNS name (letters, digits, '.', '-', '_'), or * (any)
 _TCP = re.compile(
@@ -13,6 +15,8 @@ _TCP = re.compile(
 )
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _WILDCARDS = {"*", "0.0.0.0", "[::]"}
+OUTGOING_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # the kernel's source ports
+FIRST_PICKED_PORT = 10_000  # free_ports picks from here up to the first of those
 
 
 class AddressError(ValueError):
@@ -71,10 +75,39 @@ def resolve_all(endpoint: str) -> list[str]:
     return sorted({f"tcp://{info[4][0]}:{port}" for info in infos})
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 right now (held together while picked, so all distinct)."""
+def free_ports(count: int, block: int = 1) -> list[int]:
+    """Ports free on 127.0.0.1 right now, all distinct (held together while picked); with
+    ``block``, each the first of that many consecutive free ports (a machine's local ranks).
+    They are drawn below the kernel's range for outgoing connections: a port the kernel gave
+    out could be taken by a connection's source port before its node binds it."""
+    candidates = range(FIRST_PICKED_PORT, max(_outgoing_ports_start(), FIRST_PICKED_PORT + 1000) - block)
     with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        bases: list[int] = []
+        for _ in range(50 * count):
+            if len(bases) == count:
+                return bases
+            base = random.choice(candidates)
+            held: list[socket.socket] = []
+            try:
+                for offset in range(block):
+                    held.append(socket.socket())
+                    held[-1].bind(("127.0.0.1", base + offset))
+            except OSError:
+                for sock in held:
+                    sock.close()
+                continue
+            for sock in held:
+                stack.enter_context(sock)
+            bases.append(base)
+        if len(bases) == count:
+            return bases
+    raise OSError(f"could not find {count} blocks of {block} free ports on 127.0.0.1")
+
+
+def _outgoing_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux reads it from /proc; elsewhere
+    IANA's 49152)."""
+    try:
+        return int(OUTGOING_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152

@@ -27,6 +27,7 @@ from p2p.address import AddressError, check_node_id, parse_endpoint
 
 _U63 = 2**63 - 1
 MAX_ADDRESS_CHARS = 300
+MAX_LOCAL_RANKS = 64
 MAX_INCARNATION = 2**32  # a life raises its incarnation by one or two per refutation: far below
 _Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 
@@ -53,9 +54,12 @@ class Member:
     first_round: int = 0  # a member of gossip rounds >= first_round (a late joiner's start)
     last_round: int = -1  # once left: a member of rounds <= last_round (-1: of none)
     key: str = ""  # its CURVE public key (z85), which a node dialing it must know; "" if insecure
+    # a machine of several local ranks: the data addresses of ranks 1, 2... (``address`` is
+    # rank 0's, which also runs membership); each rank gossips its slice with the same rank
+    ranks: tuple[str, ...] = ()
 
     def to_wire(self) -> list[Any]:
-        return [
+        wire = [
             self.id,
             self.address,
             self.session,
@@ -65,13 +69,20 @@ class Member:
             self.last_round,
             self.key,
         ]
+        return [*wire, list(self.ranks)] if self.ranks else wire
+
+    @property
+    def endpoints(self) -> tuple[str, str, tuple[str, ...]]:
+        """What a life cannot change: where it is reached and with what key."""
+        return self.address, self.key, self.ranks
 
     @classmethod
     def from_wire(cls, raw: Any) -> Member:
         """Validate one update from the network; raises ValueError on anything malformed."""
-        if not isinstance(raw, list) or len(raw) != 8:
-            raise ValueError("a member update is a list of 8 fields")
-        node_id, address, session, incarnation, status, first_round, last_round, key = raw
+        if not isinstance(raw, list) or len(raw) not in (8, 9):
+            raise ValueError("a member update is a list of 8 fields (9 with local ranks)")
+        ranks = _rank_addresses(raw[8]) if len(raw) == 9 else ()
+        node_id, address, session, incarnation, status, first_round, last_round, key = raw[:8]
         if not isinstance(key, str) or not (key == "" or _Z85_KEY.match(key)):
             raise ValueError("member key must be a 40-character z85 CURVE key or empty")
         if not isinstance(node_id, str) or not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
@@ -88,7 +99,21 @@ class Member:
         for value in (first_round, last_round):
             if type(value) is not int or not -1 <= value <= _U63:
                 raise ValueError("rounds must be ints >= -1")
-        return cls(node_id, address, session, incarnation, Status(status), first_round, last_round, key)
+        return cls(
+            node_id, address, session, incarnation, Status(status), first_round, last_round, key, ranks
+        )
+
+
+def _rank_addresses(raw: Any) -> tuple[str, ...]:
+    """The data addresses of a machine's ranks 1, 2... from the wire; raises ValueError."""
+    if not isinstance(raw, list) or not 1 <= len(raw) < MAX_LOCAL_RANKS:
+        raise ValueError(f"local rank addresses must be a list of 1 to {MAX_LOCAL_RANKS - 1}")
+    if not all(isinstance(a, str) and len(a) <= MAX_ADDRESS_CHARS for a in raw):
+        raise ValueError(f"local rank addresses must be strings of <= {MAX_ADDRESS_CHARS} characters")
+    try:
+        return tuple(parse_endpoint(a) for a in raw)
+    except AddressError as exc:
+        raise ValueError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -117,12 +142,10 @@ class MemberTable:
         current = self.members.get(news.id)
         if (news.id, news.session) in self._ended:
             return None  # a life that already ended: nothing can bring it back
-        if (
-            current is not None
-            and current.session == news.session
-            and ((news.address, news.key) != (current.address, current.key))
-        ):
-            raise ConflictError(f"{news.id} is at {current.address}, not {news.address}, or has another key")
+        if current is not None and current.session == news.session and news.endpoints != current.endpoints:
+            raise ConflictError(
+                f"{news.id} is at {current.address}, not {news.address}, or has other keys or ranks"
+            )
         if not first_hand and not _believable(news, current):
             return None
         if current is not None and current.session != news.session:

@@ -40,7 +40,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -138,6 +138,7 @@ class Membership:
         clock: Callable[[], float] = time.monotonic,
         first_round: int = 0,
         solo: bool = True,
+        ranks: Sequence[str] = (),
     ) -> None:
         self.profile = profile
         self._solo = solo
@@ -158,7 +159,14 @@ class Membership:
         # the address is known once the transport is bound: set by the first tick (``_start``),
         # which the transport runs before anything else reaches this service
         self._me = Member(
-            transport.node_id, "tcp://0.0.0.0:0", new_session(), 0, Status.ALIVE, first_round, key=key
+            transport.node_id,
+            "tcp://0.0.0.0:0",
+            new_session(),
+            0,
+            Status.ALIVE,
+            first_round,
+            key=key,
+            ranks=tuple(ranks),
         )
         self._view: tuple[Member, ...] = ()
         self._rng = random.Random()
@@ -183,15 +191,12 @@ class Membership:
 
     def members(self, round: int | None = None) -> frozenset[str]:
         """Member ids, this node included: now, or in gossip ``round``."""
-        view = self._view
-        if round is None:
-            return frozenset(m.id for m in view if m.status.live)
-        return frozenset(
-            m.id
-            for m in view
-            if m.first_round <= round
-            and (m.status.live or (m.status == Status.LEFT and round <= m.last_round))
-        )
+        return members_in_round(self._view, round)
+
+    @property
+    def view(self) -> tuple[Member, ...]:
+        """Every member this node knows (this node first), as of the last change."""
+        return self._view
 
     def peer_states(self) -> dict[str, int]:
         """How many other members this node knows in each state (alive, suspect, dead, left)."""
@@ -268,17 +273,8 @@ class Membership:
                 self._send_table(address, "sync_reply", key=message.key or None, member=False)
 
     def screen(self, message: Message) -> bool:
-        """The transport's check of a message for the inbox: it must come from a member (not
-        known yet: dropped, it is nobody's neighbour here), with the key of the member's
-        record (so a trusted key cannot speak as another member)."""
-        member = self._table.members.get(message.sender)
-        if member is None:
-            self._transport.stats.drop("unknown_sender")
-            return False
-        if member.key != message.key:
-            self._transport.reject(self._transport.peer_name(message), "key_mismatch", member.id)
-            return False
-        return True
+        """The transport's check of a message for the inbox (see :func:`from_member`)."""
+        return from_member(self._transport, self._table.members.get(message.sender), message)
 
     def on_tick(self, now: float) -> float:
         if not self._started:
@@ -587,6 +583,31 @@ class Membership:
         address = self._reply_address(message, peer)
         if address is not None:
             self._send(address, kind, payload, key=message.key or None, member=False)
+
+
+def from_member(transport: Transport, member: Member | None, message: Message) -> bool:
+    """Whether ``message``, bound for the inbox, comes from ``member`` (its sender's record;
+    None: not known yet, so dropped: it is nobody's neighbour here) with the key of that record
+    (so a trusted key cannot speak as another member); what fails is counted."""
+    if member is None:
+        transport.stats.drop("unknown_sender")
+        return False
+    if member.key != message.key:
+        transport.reject(transport.peer_name(message), "key_mismatch", member.id)
+        return False
+    return True
+
+
+def members_in_round(view: Iterable[Member], round: int | None) -> frozenset[str]:
+    """The ids of ``view``'s members now (``round`` None), or in gossip ``round``: a node that
+    left after round R is still a member of rounds up to R, so views agree on each round."""
+    if round is None:
+        return frozenset(m.id for m in view if m.status.live)
+    return frozenset(
+        m.id
+        for m in view
+        if m.first_round <= round and (m.status.live or (m.status == Status.LEFT and round <= m.last_round))
+    )
 
 
 def _check_round(value: int, name: str, lowest: int) -> None:

@@ -6,26 +6,27 @@ id, the membership view says who is a member in each round, and sends never bloc
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from p2p.beacon import Beacon
+from p2p.endpoint import Endpoint
+from p2p.local_rank import encode_view
 from p2p.membership import PROFILES, DetectorProfile, Membership
 from p2p.security import Curve
-from p2p.threads import start_thread
-from p2p.transport import Transport, TransportError, TransportStats
-from p2p.wire import Limits, Message
+from p2p.transport import Transport, TransportError
+from p2p.wire import Limits
 
 
-class Peer:
+class Peer(Endpoint):
     """Args are those of :class:`~p2p.transport.Transport`, plus ``bootstrap`` (addresses of live
     members to join through; none: start a mesh of one), those of
     :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``), and
-    ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off). ``curve``: keys for
+    ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off), ``ranks`` (the data
+    addresses of this machine's local ranks 1, 2...: see ``p2p.local_rank``). ``curve``: keys for
     CURVE on every socket (see ``p2p.security``); None runs insecure. ``max_send_bytes_per_s``:
     a cap on what the node sends (``p2p.pacing``)."""
 
@@ -46,16 +47,19 @@ class Peer:
         mesh_name: str = "gossipmesh",
         curve: Curve | None = None,
         max_send_bytes_per_s: float | None = None,
+        ranks: Sequence[str] = (),
     ) -> None:
-        self.transport = Transport(
-            node_id,
-            listen,
-            advertise=advertise,
-            inbox_kinds=inbox_kinds,
-            limits=limits,
-            linger_s=linger_s,
-            curve=curve,
-            max_send_bytes_per_s=max_send_bytes_per_s,
+        super().__init__(
+            Transport(
+                node_id,
+                listen,
+                advertise=advertise,
+                inbox_kinds=inbox_kinds,
+                limits=limits,
+                linger_s=linger_s,
+                curve=curve,
+                max_send_bytes_per_s=max_send_bytes_per_s,
+            )
         )
         self.bootstrap = list(bootstrap)
         self.membership = Membership(
@@ -65,6 +69,7 @@ class Peer:
             clock=clock,
             first_round=first_round,
             solo=not beacon_port,
+            ranks=ranks,
         )
         self.transport.add_service(self.membership)
         self.beacon: Beacon | None = None
@@ -81,18 +86,6 @@ class Peer:
             self.transport.add_service(self.beacon)
             self.transport.add_reader(self.beacon.socket.fileno(), self.beacon.on_readable)
         self._left = False
-
-    @property
-    def node_id(self) -> str:
-        return self.transport.node_id
-
-    @property
-    def address(self) -> str:
-        return self.transport.address
-
-    @property
-    def stats(self) -> TransportStats:
-        return self.transport.stats
 
     def start(self) -> str:
         """Bind and start networking (and joining); returns the address peers dial."""
@@ -128,11 +121,12 @@ class Peer:
         members = self.members(round)
         return len(members) >= expect and (round is None or self.node_id in members)
 
-    def now(self) -> float:
-        return time.monotonic()
-
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.membership.members(round)
+
+    def export_view(self) -> bytes:
+        """This node's member view for its other local ranks (``p2p.local_rank``)."""
+        return encode_view(self.membership.view)
 
     def send(
         self,
@@ -150,12 +144,6 @@ class Peer:
         address, key = contact
         self.transport.send(address, kind, round, tensors, meta, key=key or None, member=True)
 
-    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
-        """The oldest message of ``kinds``; raises TransportError once the network thread has
-        died, so training never goes on alone unawares."""
-        self.transport.check_running()
-        return self.transport.recv(timeout, kinds)
-
     def missed(self, node_id: str) -> None:
         """``node_id`` sent nothing when expected: have the failure detector probe it now."""
         self.membership.probe_soon(node_id)
@@ -163,9 +151,6 @@ class Peer:
     def start_at_round(self, first_round: int) -> None:
         """Announce the first gossip round this late joiner takes part in."""
         self.membership.start_at_round(first_round)
-
-    def start_background(self, name: str, target: Callable[[], None]) -> threading.Thread:
-        return start_thread(name, target)
 
     def leave(self, after_round: int = -1) -> None:
         """Tell every member this node takes part in no gossip round after ``after_round``."""

@@ -256,7 +256,7 @@ class Transport:
         self._thread.start()
         if not self._started.wait(timeout):
             raise TransportError(f"network thread did not start within {timeout} s")
-        error = self._startup_error or (TransportError(self.failure) if self.failure else None)
+        error = self._startup_error or (self._stopped() if self.failure else None)
         if error is not None:
             self._close_context()
             raise error
@@ -273,9 +273,12 @@ class Transport:
     def check_running(self) -> None:
         """Raise TransportError if the network thread has died (it never sends again)."""
         if self.failure is not None:
-            raise TransportError(
-                f"the network thread of {self.node_id} stopped ({self.failure}); restart the node"
-            )
+            raise self._stopped()
+
+    def _stopped(self) -> TransportError:
+        return TransportError(
+            f"the network thread of {self.node_id} stopped ({self.failure}); restart the node"
+        )
 
     # -- any thread --------------------------------------------------------------------------
 

@@ -349,12 +349,13 @@ def _claimed(frames: list[bytes]) -> str:
 
 
 def settle(target: FuzzTarget, timeout: float = 30.0) -> bool:
-    """Wait until the target has read everything sent so far (its counters stop moving)."""
+    """Wait until the target has read everything sent so far: what it refused and what its
+    reader took stop moving (the friend's membership traffic never stops, so it is not counted)."""
     stats = target.target.stats
     last = [-1]
 
     def still() -> bool:
-        now = stats.messages_received + stats.messages_rejected
+        now = stats.messages_rejected + target.taken
         moved, last[0] = now != last[0], now
         return not moved
 

@@ -25,7 +25,7 @@ from wire_fuzz import decodes, hostile_messages
 
 from gossipmesh.daemon.checkpoint import load_newest
 from gossipmesh.mesh import netns
-from gossipmesh.mesh.node_process import NodeProcess
+from gossipmesh.mesh.node_process import NodeProcess, preload_for_nodes
 from node import main
 from p2p.security import NodeKeys, configure_client, keygen
 
@@ -41,6 +41,7 @@ class HostMesh:
         self.trusted = run_dir / "trusted"
         self.trusted.mkdir(parents=True)
         self.nodes: dict[int, NodeProcess] = {}
+        preload_for_nodes()
         for i in range(len(hosts)):
             public, _ = keygen(self.keys(i), f"node-{i}")
             shutil.copy(public, self.trusted)
@@ -97,7 +98,8 @@ class HostMesh:
 
     def fuzz(self, on_host: int, target: int, count: int, seed: int = 0) -> int:
         """Fork a fuzzer on host ``on_host`` (with a trusted key, id "fuzzer") that sends node
-        ``target`` ``count`` messages its decoder must reject; returns the fuzzer's pid."""
+        ``target`` ``count`` messages its decoder must reject, and exits once every one has left
+        for the target (see ``reap``); returns the fuzzer's pid."""
         public, _ = keygen(self.run_dir / "keys" / "fuzzer", "fuzzer")
         shutil.copy(public, self.trusted)
         pid = os.fork()
@@ -113,6 +115,17 @@ class HostMesh:
             finally:
                 os._exit(code)
         return pid
+
+    def reap(self, pid: int, timeout: float) -> None:
+        """Wait for the forked ``pid`` (a fuzzer) to exit 0; kill it and fail after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while (exited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"process {pid} still running after {timeout} s; see {self.run_dir}")
+            time.sleep(0.1)
+        assert os.waitstatus_to_exitcode(exited[1]) == 0, f"process {pid} failed; see its stderr"
 
     def wait(self, timeout: float) -> None:
         """Until every node has exited; kills the rest after ``timeout`` s and fails."""
@@ -147,5 +160,5 @@ def _send_garbage(address: str, server_key: bytes, keys: Path, count: int, seed:
     messages = (m for m in hostile_messages(seed, "fuzzer") if not decodes(m))
     for _ in range(count):
         dealer.send_multipart(next(messages))
-    dealer.close(linger=10_000)
+    dealer.close(linger=-1)  # exit once all have left: the caller reaps it while the target runs
     context.term()

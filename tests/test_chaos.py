@@ -100,9 +100,10 @@ def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_p
 
 
 @pytest.mark.slow
-def test_no_false_deaths_over_two_minutes_of_repeated_pauses(tmp_path: Path) -> None:
-    pauses = [arg for t in np.arange(5, 115, 5) for arg in ("--pause", f"3@{t:g}:0.8")]
-    report = run(tmp_path, "--nodes", "8", "--duration", "120", *pauses)
+def test_no_false_deaths_over_a_minute_of_repeated_pauses(tmp_path: Path) -> None:
+    """22 pauses of 0.8 s, one every 2.5 s: a third of the time the node is silent."""
+    pauses = [arg for t in np.arange(2.5, 57.5, 2.5) for arg in ("--pause", f"3@{t:g}:0.8")]
+    report = run(tmp_path, "--nodes", "8", "--duration", "60", *pauses)
     assert not [e for e in report["membership_events"] if e["event"] == "dead"]
     assert all(n["status"] == "finished" for n in report["nodes"])
     assert len([c for c in report["chaos_events"] if c["action"] == "pause"]) == 22
@@ -124,7 +125,9 @@ def test_a_joiner_takes_a_17m_parameter_state_from_several_members(
     print(f"state transfer: {transfer}")
     assert joiner["status"] == "finished" and joiner["steps"] >= 1
     assert transfer["bytes"] == 2 * 4 * 17_088_522  # parameters and momentum, float32
-    assert sum(transfer["chunks"].values()) == 131 and transfer["dropped_sources"] == {}  # 1 MiB each
+    assert sum(transfer["chunks"].values()) == 131  # 1 MiB each...
+    # ...from several members (a source that fell silent under load is dropped, the rest serve)
+    assert len(transfer["chunks"]) >= 2, transfer
     # it trains from the mesh's model (a fresh one scores ~0.1)
     first = joiner["timeline"][0]
     assert (

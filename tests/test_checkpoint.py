@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import signal
 import time
 from collections.abc import Callable
-from multiprocessing.context import SpawnContext
 from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoint_writer import SIZE, write_forever
 from helpers import wait_until
 from safetensors.numpy import load_file
 
 from gossipmesh.daemon.checkpoint import KEEP, load_newest, save_checkpoint
 from node import main
+
+SIZE = 1 << 20
 
 
 def test_round_trip_keeps_the_newest_and_skips_a_damaged_one(tmp_path: Path) -> None:
@@ -40,10 +41,12 @@ def test_round_trip_keeps_the_newest_and_skips_a_damaged_one(tmp_path: Path) -> 
     assert load_newest(tmp_path / "nothing-here") is None
 
 
-def test_a_kill_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path: Path, spawn: SpawnContext) -> None:
+@pytest.mark.usefixtures("no_other_threads")
+def test_a_kill_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path: Path) -> None:
+    writers = multiprocessing.get_context("fork")  # spawning imports torch again: 4 s a writer
     rng = random.Random(7)
     for _ in range(12):
-        child = spawn.Process(target=write_forever, args=(str(tmp_path),))
+        child = writers.Process(target=_write_forever, args=(tmp_path,))
         child.start()
         assert wait_until(_writes_from(_newest_path(tmp_path), tmp_path), 20)  # it writes...
         time.sleep(rng.random() * 0.3)  # ...and is killed at some moment of it
@@ -72,6 +75,15 @@ def test_a_node_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert node["resumed_from"] == str(first.path)
     assert node["steps"] == 100 and node["final"]["accuracy"] > 0.85
     assert node["timeline"][0]["accuracy"] > 0.8  # it went on from the trained model, not from scratch
+
+
+def _write_forever(folder: Path) -> None:
+    """Each checkpoint is a 4 MB tensor filled with its step; steps go on from the newest."""
+    newest = load_newest(folder)
+    steps = int(newest.counters["steps"]) if newest else 0
+    while True:
+        steps += 1
+        save_checkpoint(folder, steps, {"params": np.full(SIZE, steps, np.float32)}, {})
 
 
 def _newest_path(folder: Path) -> Path | None:

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
-from test_observability import consecutive_free_ports, get
+from test_observability import get
 
 from gossipmesh.config import CONFIG_ENV, ENV_PREFIX, NodeConfig, load
+from p2p.address import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -165,7 +166,7 @@ def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(
     keys = tmp_path / "keys"  # what the image expects mounted at GOSSIPMESH_KEYS: one pair for the mesh
     subprocess.run([str(site / "bin" / "gossipmesh"), "keygen", str(keys), "--name", "mesh"], env=base_env,
                    check=True, capture_output=True)  # fmt: skip
-    gossip_port = consecutive_free_ports(4)
+    gossip_port = free_ports(1, block=4)[0]
     metrics_port = gossip_port + 2
     nodes = []
     for rank in range(2):
@@ -177,6 +178,7 @@ def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(
             "GOSSIPMESH_REPORT": str(tmp_path / f"report-{rank}.json"),
             "GOSSIPMESH_EXPECT": "2",
             "GOSSIPMESH_STEPS": "300",
+            "GOSSIPMESH_COMPUTE_MS": "30",  # 9 s or more: alive when the health check comes
             "GOSSIPMESH_THREADS": "1",
             "GOSSIPMESH_TASK": "sine_regression:make_task",  # a user's task, from the working folder
             "GOSSIPMESH_PARTITION": "dirichlet:0.3",
@@ -189,13 +191,13 @@ def test_image_entrypoint_configured_only_by_environment_joins_a_mesh(
             entrypoint, env=env, cwd=ROOT / "examples", stderr=subprocess.PIPE, text=True
         )
         nodes.append((process, env))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while get(f"http://127.0.0.1:{metrics_port + 1}/readyz")[0] != 200 and time.monotonic() < deadline:
         if any(process.poll() is not None for process, _ in nodes):
             break
         time.sleep(0.05)
-    health = subprocess.run(image["healthcheck"], env=nodes[1][1], capture_output=True, timeout=10)
-    errors = [process.communicate(timeout=60)[1] for process, _ in nodes]
+    health = subprocess.run(image["healthcheck"], env=nodes[1][1], capture_output=True, timeout=30)
+    errors = [process.communicate(timeout=180)[1] for process, _ in nodes]  # (loaded: 60 s was short)
     assert health.returncode == 0, errors
     where = subprocess.run([sys.executable, "-c", "import node; print(node.__file__)"], env=base_env,
                            cwd=tmp_path, capture_output=True, text=True, check=True)  # fmt: skip

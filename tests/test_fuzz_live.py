@@ -12,7 +12,7 @@ from hostile import free_udp_port, resident_bytes
 from p2p import Peer
 
 pytestmark = pytest.mark.mesh
-EXAMPLES = 2000
+EXAMPLES = 1000
 
 
 def test_no_input_kills_a_live_node_or_grows_it() -> None:

@@ -27,7 +27,6 @@ from gossipmesh.config import NodeConfig, node_config
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.status_server import MAX_CONNECTIONS, StatusServer
-from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p import Peer, TransportError
 from p2p.membership import NOT_YET
@@ -136,9 +135,9 @@ def test_a_member_still_starting_is_no_state_source() -> None:
     late = network.join("late", first_round=NOT_YET)
     config = NodeConfig(insecure=True, startup_timeout=5)
     task = config.task.make()
-    trainer = Trainer(config, task, task.model(0), late, 0, time.monotonic)  # type: ignore[arg-type]
+    joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), late)
     started = time.monotonic()
-    assert join_running_mesh(late, trainer.optimizer, 5, lambda: False) is None  # type: ignore[arg-type]
+    assert join_running_mesh(late, joiner, 5, lambda: False) is None  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.0
 
 

@@ -5,8 +5,6 @@ bad source for another (12)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -21,7 +19,6 @@ from gossip.state_fetch import fetch_state
 from gossip.state_server import MAX_TRANSFERS, StateServer
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.lifecycle import join_running_mesh
-from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from topologies import Topology
 
@@ -168,17 +165,17 @@ def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
     bad, good, late = network.join("bad"), network.join("good"), network.join("late")
     config = NodeConfig(insecure=True, startup_timeout=20)
     task = config.task.make()
-    trainer = Trainer(config, task, task.model(0), late, 0, time.monotonic)  # type: ignore[arg-type]
+    joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), late)
     source = GossipOptimizer(torch.optim.SGD(task.model(1).parameters(), lr=0.1), peer=good)
     source.local_steps = 7
-    impossible = Snapshot({"params": trainer.optimizer.flat.array.copy()}, {"round": 1e300})
+    impossible = Snapshot({"params": joiner.flat.array.copy()}, {"round": 1e300})
     with (
         in_background(StateServer(bad, impossible).serve),
         in_background(source.serve_state),
     ):
-        assert join_running_mesh(late, trainer.optimizer, 20, lambda: False) is not None  # type: ignore[arg-type]
-    np.testing.assert_array_equal(trainer.optimizer.flat.array, source.flat.array)
-    assert trainer.optimizer.local_steps == 7 and trainer.optimizer.round == 2  # good's round 0 + the lead
+        assert join_running_mesh(late, joiner, 20, lambda: False) is not None  # type: ignore[arg-type]
+    np.testing.assert_array_equal(joiner.flat.array, source.flat.array)
+    assert joiner.local_steps == 7 and joiner.round == 2  # good's round 0 + the lead
 
 
 def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:

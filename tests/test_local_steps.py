@@ -86,8 +86,10 @@ def test_the_mesh_agrees_on_a_large_h_over_a_slow_link_and_a_small_one_over_a_fa
         assert [r for r, _ in decisions[0]] == [EPOCH_ROUNDS, 2 * EPOCH_ROUNDS]
         assert decisions[0][0][1] == 1  # the second epoch runs at H = 1 too: nodes measure in the first
     slow_h, fast_h = slow[0][-1][1], fast[0][-1][1]
-    # (1 - 0.2) / 0.2 * 100 ms / 4 ms = 100 (measured: 99 quiet; the bounds leave room for a busy machine)
-    assert slow_h >= 20 and fast_h <= 8, (slow[0], fast[0])
+    # (1 - 0.2) / 0.2 * 100 ms / 4 ms = 100 (measured: 99 quiet). On a busy machine the threads'
+    # rounds take longer on either link (measured beside two CPU hogs and a second test: 78 and
+    # 11), so the bar is on the ratio
+    assert slow_h >= 20 and slow_h >= 4 * fast_h, (slow[0], fast[0])
     assert slow_error < 0.2 and fast_error < 0.2, (slow_error, fast_error)  # and the mesh trains
 
 

@@ -6,13 +6,11 @@ import http.client
 import json
 import logging
 import re
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import pytest
 from gossip.phases import PHASES
 from gossipmesh import logs
 from node import main
+from p2p.address import free_ports
 
 NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 NAMED_METRICS = (
@@ -30,22 +29,6 @@ NAMED_METRICS = (
     "gossipmesh_consensus_distance_ratio", "gossipmesh_peers", "gossipmesh_build_info",
     "gossipmesh_phase_seconds_total",
 )  # fmt: skip
-
-
-def consecutive_free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1."""
-    for _ in range(50):
-        with ExitStack() as stack:
-            first = stack.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            try:
-                for offset in range(1, count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + offset))
-            except OSError:
-                continue
-            return int(base)
-    raise AssertionError("no consecutive free ports")
 
 
 def get(url: str) -> tuple[int, str]:
@@ -78,7 +61,7 @@ def scrape_while_training(port: int, until_steps: int, deadline: float) -> dict[
 
 @pytest.mark.mesh
 def test_charlm_mesh_metrics_move_and_the_report_is_plotted(tmp_path: Path) -> None:
-    port = consecutive_free_ports(3)
+    port = free_ports(1, block=3)[0]
     mesh = subprocess.Popen(
         [sys.executable, NODE_PY, "mesh", "--nodes", "3", "--task", "charlm", "--steps", "100",
          "--lr", "0.3", "--eval-interval", "1", "--metrics-port", str(port), "--run-dir", str(tmp_path)],

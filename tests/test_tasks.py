@@ -66,3 +66,16 @@ def test_batches_resume_exactly_where_they_were() -> None:
     resumed = Batches(shard, 32, seed=3, resume=stream.position())
     for _ in range(20):
         assert torch.equal(next(stream)[1], next(resumed)[1])
+
+
+def test_a_fresh_stream_that_skips_what_was_drawn_goes_on_in_the_same_order() -> None:
+    """How a machine's other ranks resume (they keep no sampler state, only rank 0's count)."""
+    shard = load_task("digits").shard(0, 4, partition=IID, seed=0)
+    stream = Batches(shard, 32, seed=3)
+    drawn = [next(stream)[0] for _ in range(30)]  # into the third pass (11 batches a pass)
+    for count in (0, 5, 14, 29):
+        skipped = Batches(shard, 32, seed=3)
+        skipped.skip(count)
+        assert skipped.drawn == 0
+        assert torch.equal(next(skipped)[0], drawn[count]), count
+    assert stream.drawn == 30

@@ -140,6 +140,7 @@ class TrainConfig(Averaging, LocalSGD):
     max_send_mbps: float | None = o.MAX_SEND_MBPS.field()
     device: str = o.DEVICE.field()
     dtype: Precision = o.DTYPE.field()
+    local_ranks: int = o.LOCAL_RANKS.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()

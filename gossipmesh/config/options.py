@@ -188,6 +188,14 @@ ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 
 COMPUTE_MS = Option(
     number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0
 )
+LOCAL_RANKS = Option(
+    number(int, at_least=1, at_most=64),
+    "local ranks (one process per device) of each machine, one member of the mesh: gradients "
+    "averaged inside the machine, rank r gossips slice r of the model with rank r of the others, "
+    "listening on the --listen port + r (torchrun's LOCAL_WORLD_SIZE sets it too)",
+    1,
+    metavar="N",
+)
 STARTUP_TIMEOUT = Option(_POSITIVE, "longest wait for the bootstrap peers, s", 60.0)
 EVAL_INTERVAL = Option(_POSITIVE, "seconds between timeline points", 0.25)
 PROFILE = Option(choice(PROFILES), f"failure-detector timings: {', '.join(PROFILES)}", "local")

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,12 +23,20 @@ import numpy as np
 import torch
 
 from gossip import GossipOptimizer
+from gossip.local_group import LocalGroup
 from gossip.state import Snapshot, StateTransferError
 from gossip.state_fetch import RETRY_S, TransferStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, save_checkpoint
-from gossipmesh.daemon.peers import default_id, make_peer
-from p2p import Peer
+from gossipmesh.daemon.local_ranks import (
+    RankPlace,
+    collective_timeout,
+    data_shard,
+    join_local_group,
+    share_members,
+)
+from gossipmesh.daemon.peers import default_id, machine_peer, make_peer
+from p2p import LocalRankPeer, Peer
 from p2p.membership import NOT_YET
 from topologies import member_order
 
@@ -56,18 +64,42 @@ class Entry:
         that is seconds slower to start is not averaged around."""
         return NOT_YET if self.joins_running_mesh or self.config.expect > 1 else 0
 
-    def wait_for_members(self, peer: Peer, cancelled: Callable[[], bool]) -> list[str]:
+    def wait_for_members(
+        self, peer: Peer | LocalRankPeer, cancelled: Callable[[], bool], group: LocalGroup | None = None
+    ) -> list[str]:
         """Block until joined (with ``--expect`` members, unless joining a running mesh); the
-        members in rank order."""
-        expect = 1 if self.joins_running_mesh else max(1, self.config.expect)
-        peer.wait_ready(self.config.startup_timeout, expect=expect, cancelled=cancelled)
-        return member_order(peer.members())
+        members in rank order. On a machine of local ranks (``group``, a collective) rank 0
+        waits, then hands the members and its view of the mesh to the others."""
+        ordered = None
+        if isinstance(peer, Peer):
+            expect = 1 if self.joins_running_mesh else max(1, self.config.expect)
+            peer.wait_ready(self.config.startup_timeout, expect=expect, cancelled=cancelled)
+            ordered = member_order(peer.members())
+        if group is not None:
+            ordered = share_members(group, ordered)
+            group.share_view(peer)
+        if ordered is None:
+            raise TypeError("a local rank other than 0 waits for the members with its machine's group")
+        return ordered
 
     def come_in(
-        self, peer: Peer, optimizer: GossipOptimizer, members: list[str], cancelled: Callable[[], bool]
+        self,
+        peer: Peer | LocalRankPeer,
+        optimizer: GossipOptimizer,
+        members: list[str],
+        cancelled: Callable[[], bool],
     ) -> TransferStats | None:
         """Take a running mesh's state (returns how it went), or start from round 0 with the
-        members present (None)."""
+        members present (None). On a machine of local ranks (a collective) rank 0 comes in,
+        then every rank takes its state (the one it took, resumed, or began with)."""
+        transfer = self._come_in(peer, optimizer, members, cancelled) if isinstance(peer, Peer) else None
+        if optimizer.local_group is not None:
+            optimizer.share_state()
+        return transfer
+
+    def _come_in(
+        self, peer: Peer, optimizer: GossipOptimizer, members: list[str], cancelled: Callable[[], bool]
+    ) -> TransferStats | None:
         if self.joins_running_mesh and len(members) > 1:
             transfer = join_running_mesh(peer, optimizer, self.config.startup_timeout, cancelled)
             if transfer is not None:
@@ -171,15 +203,32 @@ class Session:
     the options say (a ``GossipOptimizer``); with ``--state-dir`` it checkpoints every
     ``--checkpoint-every`` steps. On leaving (an exception too) it stops gossiping after its
     last round, tells the members, writes a last checkpoint and closes the network.
+
+    Under ``torchrun --standalone --nproc-per-node N`` the N processes are one machine, one
+    member (``gossip.local_group``): every rank makes a Session with the same options (rank r
+    takes data on the ``--listen`` port + r); each backward pass averages the gradients over
+    the ranks, each rank gossips its slice of the model, rank 0 keeps the membership and the
+    checkpoints. Each rank trains on its own data: ``shard`` says which part.
     """
 
     def __init__(self, config: NodeConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        place = RankPlace.from_environment()
+        device = str(next(model.parameters()).device)
+        self.local_group = join_local_group(device, collective_timeout(config)) if place is not None else None
+        if self.local_group is not None and self.local_group.rank > 0:
+            config = replace(config, state_dir=None)  # rank 0 keeps the machine's checkpoints
         self.config = config
         self.node_id = config.id or default_id(config.listen)
         self._checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
         self.entry = Entry(config, resumed=self._checkpoint is not None)
-        self.peer = make_peer(config, model, node_id=self.node_id, first_round=self.entry.first_round)
-        self.optimizer = config.gossip_optimizer(optimizer, self.peer)
+        self.peer: Peer | LocalRankPeer
+        if self.local_group is None:
+            self.peer = make_peer(config, model, node_id=self.node_id, first_round=self.entry.first_round)
+        else:
+            self.peer = machine_peer(
+                config, model, self.local_group, node_id=self.node_id, first_round=self.entry.first_round
+            )
+        self.optimizer = config.gossip_optimizer(optimizer, self.peer, local_group=self.local_group)
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.members: list[str] = []
         self.transfer: TransferStats | None = None
@@ -189,18 +238,22 @@ class Session:
 
     @property
     def rank(self) -> int:
-        """This node's place among the members it started with (its data shard, say)."""
+        """This node's (machine's) place among the members it started with."""
         return self.members.index(self.node_id)
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(index, count): this process's part of the data among every rank of every member it
+        started with (a machine of N local ranks holds N consecutive parts)."""
+        return data_shard(self.rank, len(self.members), self.local_group)
 
     def __enter__(self) -> Session:
         self.peer.start()
         try:
-            self.members = self.entry.wait_for_members(self.peer, cancelled=lambda: False)
+            self.members = self.entry.wait_for_members(self.peer, lambda: False, self.local_group)
             if self._checkpoint is not None:
                 restore_state(self._checkpoint, self.optimizer)
-            self.transfer = self.entry.come_in(
-                self.peer, self.optimizer, self.members, cancelled=lambda: False
-            )
+            self.transfer = self.entry.come_in(self.peer, self.optimizer, self.members, lambda: False)
         except BaseException:
             self.optimizer.close()
             self.peer.close()

@@ -7,15 +7,17 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from gossip import ADPSGD, CHOCO, DPSGD, SGP, state
 from gossip.flat import host_vector_bytes
+from gossip.local_group import LocalGroup
 from gossipmesh.config import NodeConfig
+from gossipmesh.daemon.local_ranks import rank_endpoint
 from gossipmesh.logs import NODE_LOGGER
-from p2p import Peer
+from p2p import LocalRankPeer, Peer
 from p2p.address import split_endpoint
 from p2p.membership import PROFILES
 from p2p.security import Curve, insecure_warning
@@ -35,29 +37,74 @@ def make_peer(
     node_id: str,
     clock: Callable[[], float] = time.monotonic,
     first_round: int = 0,
+    ranks: Sequence[str] = (),
 ) -> Peer:
     """A peer (not started) with the config's addresses, discovery and CURVE keys (none with
-    ``--insecure``, said loudly in the log), and messages limited to what this model needs."""
-    curve = None
-    if config.insecure:
-        log.warning(insecure_warning())
-    elif config.keys is not None and config.trusted is not None:
-        curve = Curve.load(config.keys, config.trusted, node_id)
+    ``--insecure``, said loudly in the log), and messages limited to what this model needs;
+    ``ranks``: the data addresses of the machine's other local ranks."""
     return Peer(
         node_id,
         config.listen,
         config.bootstrap,
         advertise=config.advertise,
         inbox_kinds=MESSAGE_KINDS,
-        limits=Limits(max_message_bytes=max(largest_message(model), state.CHUNK_BYTES)),
+        limits=_limits(model),
         profile=PROFILES[config.profile],
         clock=clock,
         first_round=first_round,
         beacon_port=config.beacon,
         mesh_name=config.mesh_name,
-        curve=curve,
-        max_send_bytes_per_s=config.max_send_mbps * 1e6 / 8 if config.max_send_mbps else None,
+        curve=_curve(config, node_id),
+        max_send_bytes_per_s=_send_cap(config),
+        ranks=ranks,
     )
+
+
+def machine_peer(
+    config: NodeConfig,
+    model: torch.nn.Module,
+    group: LocalGroup,
+    *,
+    node_id: str,
+    clock: Callable[[], float] = time.monotonic,
+    first_round: int = 0,
+) -> Peer | LocalRankPeer:
+    """This local rank's network (see ``p2p.local_rank``): rank 0's peer, its record naming
+    the other ranks' addresses; another rank's own data endpoint (started: its address is
+    what rank 0 needs), on the ``--listen`` port + its rank (``--advertise``'s, if given)."""
+    if group.rank == 0:
+        addresses = group.all_gather_bytes(b"")
+        ranks = [address.decode() for address in addresses[1:]]
+        return make_peer(config, model, node_id=node_id, clock=clock, first_round=first_round, ranks=ranks)
+    endpoint = LocalRankPeer(
+        node_id,
+        group.rank,
+        rank_endpoint(config.listen, group.rank),
+        advertise=rank_endpoint(config.advertise, group.rank) if config.advertise else None,
+        limits=_limits(model),
+        curve=_curve(config, node_id),
+        max_send_bytes_per_s=_send_cap(config),
+    )
+    group.all_gather_bytes(endpoint.start().encode())
+    return endpoint
+
+
+def _curve(config: NodeConfig, node_id: str) -> Curve | None:
+    """The node's CURVE keys (none with ``--insecure``, said loudly in the log)."""
+    if config.insecure:
+        log.warning(insecure_warning())
+        return None
+    if config.keys is not None and config.trusted is not None:
+        return Curve.load(config.keys, config.trusted, node_id)
+    return None
+
+
+def _limits(model: torch.nn.Module) -> Limits:
+    return Limits(max_message_bytes=max(largest_message(model), state.CHUNK_BYTES))
+
+
+def _send_cap(config: NodeConfig) -> float | None:
+    return config.max_send_mbps * 1e6 / 8 if config.max_send_mbps else None
 
 
 def largest_message(model: torch.nn.Module) -> int:

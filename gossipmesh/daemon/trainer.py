@@ -20,18 +20,20 @@ from typing import Any
 
 import torch
 
+from gossip.local_group import LocalGroup
 from gossip.state_fetch import TransferStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
 from gossipmesh.daemon.checkpoint import Checkpoint
 from gossipmesh.daemon.lifecycle import restore_state, save_state
+from gossipmesh.daemon.local_ranks import data_shard
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.pacing import StepPacer
 from gossipmesh.daemon.recorder import Recorder
 from gossipmesh.report import Progress, TimelinePoint
 from gossipmesh.tasks import Batches, Evaluation, Task
-from p2p import Peer
+from p2p import LocalRankPeer, Peer
 from p2p.ratelimit import QuietLog
 
 _LOSS_SMOOTHING = 0.9
@@ -48,22 +50,27 @@ class Trainer:
         config: NodeConfig,
         task: Task,
         model: torch.nn.Module,
-        peer: Peer,
+        peer: Peer | LocalRankPeer,
         rank: int,
         clock: Callable[[], float],
+        local_optimizer: torch.optim.Optimizer,
         metrics: NodeMetrics | None = None,
+        local_group: LocalGroup | None = None,
     ) -> None:
         self.config = config
         self.task = task
         self.model = model
         self.peer = peer
         self.rank = rank
+        self.local_group = local_group
         self.clock = clock
         self.progress = Progress()
         self.train_loss = math.nan
         self.lock = threading.Lock()
         network = peer if config.byzantine is None else ByzantinePeer(peer, config.byzantine)
-        self.optimizer = config.gossip_optimizer(config.local_optimizer(model), network, lock=self.lock)
+        self.optimizer = config.gossip_optimizer(
+            local_optimizer, network, lock=self.lock, local_group=local_group
+        )
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.recorder = Recorder(
             evaluate=self._evaluate,
@@ -78,6 +85,7 @@ class Trainer:
         if metrics is not None:
             metrics.training = self
         self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
+        self._data_batches_before = 0  # batches a machine's ranks drew in its lives before this one
         self._batches: Batches | None = None
         self._checkpoint_retry_at: float | None = None  # set while a failed checkpoint waits
         self._checkpoint_log = QuietLog(log, interval_s=60.0)
@@ -85,6 +93,12 @@ class Trainer:
     @property
     def steps(self) -> int:
         return self.progress.steps
+
+    @property
+    def data_batches(self) -> int:
+        """Batches each rank of this machine has drawn from its shard, its earlier lives included
+        (all ranks draw one a step, together)."""
+        return self._data_batches_before + (self._batches.drawn if self._batches is not None else 0)
 
     @property
     def evaluation(self) -> tuple[float, float] | None:
@@ -100,6 +114,7 @@ class Trainer:
             torch.from_numpy(checkpoint.tensors["sampler.pass_start"].copy()),
             int(checkpoint.counters["sampler_used"]),
         )
+        self._data_batches_before = int(checkpoint.counters.get("data_batches", 0))
 
     def checkpoint(self) -> None:
         """Write a checkpoint to the state folder (see ``gossipmesh.daemon.lifecycle.save_state``)."""
@@ -111,12 +126,15 @@ class Trainer:
             self.optimizer,
             self.peer.node_id,
             tensors={"sampler.pass_start": pass_start.numpy()},
-            counters={"sampler_used": used},
+            counters={"sampler_used": used, "data_batches": self.data_batches},
         )
 
-    def joined(self, transfer: TransferStats) -> None:
-        """This node took a running mesh's state: it goes on from the members' step count."""
+    def came_in(self, transfer: TransferStats | None) -> None:
+        """This node took a running mesh's state (``transfer``), resumed, or began: it goes on
+        from its optimizer's step count (on a machine of local ranks, rank 0's)."""
         self.progress.steps = self.optimizer.local_steps
+        if transfer is None:
+            return
         self.progress.state_transfer = transfer.summary()
         say(
             self.config.progress,
@@ -128,7 +146,9 @@ class Trainer:
     def run(self, stop: threading.Event) -> None:
         config, progress = self.config, self.progress
         members = max(len(self.peer.members()), self.rank + 1)  # (a joiner's mesh may be ending)
-        shard = self.task.shard(self.rank, members, partition=config.partition, seed=config.seed)
+        group = self.local_group
+        shard_index, shards = data_shard(self.rank, members, group)  # each rank of each machine its own
+        shard = self.task.shard(shard_index, shards, partition=config.partition, seed=config.seed)
         progress.shard = shard.describe(config.partition)
         pacer = StepPacer(config.compute_ms, config.slowdown)
         budget = config.step_budget
@@ -136,17 +156,27 @@ class Trainer:
         # joiner of a mesh stops when the others do
         progress.t_first_step = round(self.clock(), 3)
         self._batches = Batches(
-            shard, config.batch_size, seed=config.seed + self.rank, resume=self._sampler_at
+            shard, config.batch_size, seed=config.seed + shard_index, resume=self._sampler_at
         )
+        if group is not None:  # the other ranks keep no checkpoint: they go on from rank 0's count
+            before = group.share_int(self._data_batches_before if group.rank == 0 else None)
+            self._data_batches_before = before
+            if group.rank > 0:
+                self._batches.skip(before)
         checkpoints = config.state_dir is not None
-        self.recorder.start()
+        records = group is None or group.rank == 0  # (the other ranks hold the same model)
+        if records:
+            self.recorder.start()
         try:
             for inputs, targets in self._batches:
-                if (
+                done = (
                     stop.is_set()
                     or (budget is not None and progress.steps >= budget)
                     or self.clock() >= deadline
-                ):
+                )
+                if group is not None:
+                    done = group.agree(done)  # the ranks of a machine stop at the same step
+                if done:
                     break
                 started = time.monotonic()
                 inputs, targets = inputs.to(config.device), targets.to(config.device)
@@ -167,9 +197,10 @@ class Trainer:
             self.peer.leave(after_round=self.optimizer.round - 1)
             if checkpoints:
                 self._try_checkpoint()
-            final = self.recorder.stop()
-            progress.timeline = self.recorder.timeline
-            progress.final = {"loss": final.loss, "accuracy": final.accuracy}
+            if records:
+                final = self.recorder.stop()
+                progress.timeline = self.recorder.timeline
+                progress.final = {"loss": final.loss, "accuracy": final.accuracy}
 
     def _autocast(self) -> AbstractContextManager[object]:
         """Forward passes of a model narrower than float32 run under autocast (``--dtype``)."""

@@ -41,7 +41,7 @@ from gossipmesh.config import ConfigError, MeshConfig, as_flags, summary
 from gossipmesh.config.values import ChaosAction
 from gossipmesh.console import LiveTable
 from gossipmesh.mesh import netns
-from gossipmesh.mesh.node_process import NodeMain, NodeProcess
+from gossipmesh.mesh.node_process import NodeMain, NodeProcess, preload_for_nodes
 from gossipmesh.report import build_report, write_json
 from p2p.address import free_ports
 from p2p.security import keygen
@@ -120,7 +120,7 @@ class Mesh:
         t = round(self.clock(), 3)
         if action.action == "join":
             contacts = self.live()
-            for port in free_ports(action.count):
+            for port in free_ports(action.count, block=self.config.local_ranks):
                 joiner = self.start_node(port, contacts[0].address if contacts else None, expect=0)
                 self.chaos.append({"t": t, "action": "join", "node": joiner.id})
             return
@@ -158,7 +158,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     ``node_main`` is the daemon's command-line entry point, called in each forked node.
     """
     stream = stream or sys.stdout
-    _preload_for_nodes()
+    preload_for_nodes()
     run_dir = config.run_dir or Path("runs") / time.strftime("mesh-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path = config.report or run_dir / "report.json"
@@ -171,11 +171,12 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     stop = threading.Event()
     with _hosts(config) as hosts, _forward_termination(stop):
         mesh = Mesh(config, node_main, run_dir, hosts)
-        first_port, *other_ports = free_ports(config.nodes)
+        first_port, *other_ports = free_ports(config.nodes, block=config.local_ranks)
         first = mesh.start_node(first_port, None, expect=config.nodes)
         for port in other_ports:
             mesh.start_node(port, first.address, expect=config.nodes)
         _watch(mesh, config.chaos(), stop, LiveTable(stream, interactive=stream.isatty()))
+        wire = {n.id: netns.sent_bytes(h) for n, h in zip(mesh.nodes, hosts, strict=False)} if hosts else {}
     results = [node.result() for node in mesh.nodes]
     ended = [r for r in results if r["status"] in ("finished", "killed")]
     finished = [n for n, r in zip(mesh.nodes, results, strict=True) if r["status"] == "finished"]
@@ -189,7 +190,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     )
     report["average_model"] = _average_model(config, finals)
     report["chaos_events"] = mesh.chaos
-    report["links"] = _links(config, mesh.nodes)
+    report["links"] = _links(config, mesh.nodes, wire)
     write_json(report_path, report)
     _print_summary(stream, mesh.nodes, results, report, report_path)
     if config.plot != "none":
@@ -242,12 +243,17 @@ def _hosts(config: MeshConfig) -> Iterator[list[netns.Host] | None]:
         yield hosts
 
 
-def _links(config: MeshConfig, nodes: list[NodeProcess]) -> dict[str, Any]:
-    """The report's ``links``: where the nodes ran and each node's uplink cap (Mbit/s)."""
-    return {
+def _links(config: MeshConfig, nodes: list[NodeProcess], wire: dict[str, int]) -> dict[str, Any]:
+    """The report's ``links``: where the nodes ran, each node's uplink cap (Mbit/s) and, on
+    namespace hosts, the bytes its host sent on its link (``wire_bytes_sent``: frames, headers
+    and all, every local rank of a machine's)."""
+    links: dict[str, Any] = {
         "hosts": config.hosts,
         "uplink_mbps": {node.id: config.uplink_mbps(node.rank) for node in nodes},
     }
+    if wire:
+        links["wire_bytes_sent"] = wire
+    return links
 
 
 @contextmanager
@@ -261,12 +267,6 @@ def _forward_termination(stop: threading.Event) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def _preload_for_nodes() -> None:
-    """Import once, before the mesh forks its nodes, what each would import: building the first
-    torch optimizer pulls in torch._dynamo, seconds of CPU per process."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 def _average_model(config: MeshConfig, finals: list[np.ndarray]) -> dict[str, float] | None:

@@ -10,6 +10,7 @@ LAN into two halves, bringing it up heals it. :func:`cap_bandwidth` limits a hos
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -110,6 +111,17 @@ def enter(host: Host) -> None:
             raise OSError(ctypes.get_errno(), f"cannot enter network namespace {host.namespace}")
     finally:
         os.close(fd)
+
+
+def sent_bytes(host: Host) -> int:
+    """Bytes ``host`` has sent on its link (its eth0's counter: headers and all)."""
+    shown = subprocess.run(
+        ["ip", "-n", host.namespace, "-j", "-s", "link", "show", "eth0"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"])
 
 
 def _switch() -> str:

@@ -11,6 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gossipmesh.report import Progress, TimelinePoint, node_record, read_json
 
 NodeMain = Callable[[Sequence[str]], int]
@@ -81,6 +83,10 @@ class NodeProcess:
         elif event.get("event") == "ready":
             self.row.update(status="ready")
 
+    @property
+    def pid(self) -> int:
+        return self._pid
+
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
             os.kill(self._pid, signum)
@@ -131,6 +137,13 @@ class NodeProcess:
     def log_tail(self) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
         return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
+
+
+def preload_for_nodes() -> None:
+    """Import once, before forking nodes, what each would import: building the first torch
+    optimizer pulls in torch._dynamo, seconds of CPU per process (a restarted node that paid
+    them could find that the mesh it rejoins has finished meanwhile)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 def _run_forked(

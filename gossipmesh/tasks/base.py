@@ -106,7 +106,9 @@ def device_of(model: nn.Module) -> torch.device:
 class Batches:
     """Endless minibatches, reshuffled every pass over the shard, that can resume where they were:
     :meth:`position` is the generator state at the start of the current pass and the examples
-    used in it, and ``Batches(..., resume=position)`` goes on from there."""
+    used in it, and ``Batches(..., resume=position)`` goes on from there; or, from a fresh start
+    with the same seed, :meth:`skip` the batches drawn before (a machine's other ranks, which
+    draw in step with its rank 0 and keep no checkpoint)."""
 
     def __init__(
         self, shard: Shard, batch_size: int, seed: int, resume: tuple[torch.Tensor, int] | None = None
@@ -119,6 +121,7 @@ class Batches:
         self._pass_start = self._generator.get_state()
         self._order = torch.randperm(len(shard), generator=self._generator)
         self._used = 0
+        self.drawn = 0  # batches drawn by this object (not skipped)
         if resume is not None:
             state, used = resume
             self._generator.set_state(state)
@@ -133,7 +136,17 @@ class Batches:
             self._new_pass()
         index = self._order[self._used : self._used + self._size]
         self._used += self._size
+        self.drawn += 1
         return self._shard.inputs[index], self._shard.targets[index]
+
+    def skip(self, count: int) -> None:
+        """Go on as if ``count`` more batches had been drawn (a pass at a time, no data touched)."""
+        while count > 0:
+            if self._used + self._size > len(self._order):
+                self._new_pass()
+            taken = min(count, (len(self._order) - self._used) // self._size)
+            self._used += taken * self._size
+            count -= taken
 
     def position(self) -> tuple[torch.Tensor, int]:
         return self._pass_start.clone(), self._used

@@ -1,0 +1,189 @@
+"""Machines of several GPUs: the hierarchical mesh against flat gossip and against DDP, on
+namespace hosts (needs root), side by side in one run.
+
+- ``hierarchical``: ``gossipmesh mesh --hosts netns --nodes M --local-ranks N``: M machines,
+  gradients averaged over each machine's N ranks (gloo, over the host's loopback), rank r
+  gossiping slice r of the model with rank r of the neighbouring machines (``--algorithm``:
+  D-PSGD on a ring unless told).
+- ``flat``: ``gossipmesh mesh --hosts netns --nodes M*N``: every device its own member, on a
+  host of its own, as one runs gossip without local ranks.
+- ``ddp``: M*N ranks of ``DistributedDataParallel`` (gloo), N on each of M hosts: the plain
+  way to train one model on these devices.
+
+Every arm trains the same wide MLP (``--width``: 64-W-W-10; 5000 is ~25M parameters, 100 MB)
+for ``--steps`` steps of one batch per device, with ``--compute-ms`` standing for an
+accelerator's step. Printed per arm: seconds per step (the median rank's steady rate), the
+bytes every host sent on its link (its eth0 counter: what crossed between hosts, framing
+included) in all and per step, and both against the flat mesh. One figure:
+
+    sudo python bench/hierarchical.py [--machines 4] [--ranks 2] [--width 5000] [--steps 60]
+                                      [--link MBPS] [--algorithm dpsgd]
+
+``--link`` caps every host's uplink (``tc tbf``, as ``gossipmesh mesh --link`` does): where the
+links, not the devices, set the pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from meshrun import quiet_mesh
+from wan_task import WIDTHS, WideDigits
+
+from gossipmesh.daemon.pacing import StepPacer
+from gossipmesh.mesh import netns
+from gossipmesh.tasks import IID, Batches
+
+BATCH = 32
+LR = 0.05
+MOMENTUM = 0.9  # every arm's optimizer: SGD with this momentum (the daemon's default)
+PORT = 29400
+
+
+def gossip_arm(machines: int, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One mesh run; its seconds per step and the bytes its hosts sent on their links."""
+    report = quiet_mesh([
+        "--hosts", "netns", "--nodes", str(machines), "--local-ranks", str(ranks),
+        "--task", f"wan_task:width_{args.width}",
+        "--steps", str(args.steps), "--compute-ms", f"{args.compute_ms:g}", "--lr", str(LR),
+        "--momentum", str(MOMENTUM), "--batch-size", str(BATCH), "--insecure", "--plot", "none",
+        "--eval-interval", "5", "--algorithm", args.algorithm,
+        *(["--link", f"{args.link:g}"] if args.link else []),
+    ])  # fmt: skip
+    rates = [_seconds_per_step(node["timeline"]) for node in report["nodes"]]
+    return {
+        "s_per_step": statistics.median(rates),
+        "wire_bytes": sum(report["links"]["wire_bytes_sent"].values()),
+        "local_bytes": sum(node.get("bytes_local", 0) for node in report["nodes"]),
+        "accuracy": min(node["final"]["accuracy"] for node in report["nodes"]),
+    }
+
+
+def _seconds_per_step(timeline: list[dict[str, Any]]) -> float:
+    """The steady rate: from the first point past a quarter of the run to the last."""
+    start, end = timeline[len(timeline) // 4], timeline[-1]
+    return float(end["t"] - start["t"]) / max(int(end["step"] - start["step"]), 1)
+
+
+def ddp_arm(machines: int, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    """M*N DDP ranks on M namespace hosts; the same figures as :func:`gossip_arm`'s."""
+    world = machines * ranks
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    with netns.lan(machines) as hosts:
+        for host in hosts if args.link else []:
+            netns.cap_bandwidth(host, f"{args.link:g}mbit")
+        before = sum(netns.sent_bytes(h) for h in hosts)
+        workers = [
+            context.Process(
+                target=_ddp_rank, args=(rank, world, hosts[rank // ranks], hosts[0].address, args, results)
+            )
+            for rank in range(world)
+        ]
+        for worker in workers:
+            worker.start()
+        outcomes = [results.get(timeout=3600) for _ in workers]
+        for worker in workers:
+            worker.join()
+        wire = sum(netns.sent_bytes(h) for h in hosts) - before
+    failures = [o for o in outcomes if isinstance(o, str)]
+    if failures:
+        raise RuntimeError(f"a DDP rank failed: {failures[0]}")
+    return {
+        "s_per_step": statistics.median(o["s_per_step"] for o in outcomes),
+        "wire_bytes": wire,
+        "local_bytes": 0,
+        "accuracy": max(o["accuracy"] for o in outcomes),  # (rank 0's: the others report none)
+    }
+
+
+def _ddp_rank(
+    rank: int, world: int, host: netns.Host, master: str, args: argparse.Namespace, results: Any
+) -> None:
+    try:
+        netns.enter(host)
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # (the host name resolves to loopback here)
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{PORT}", rank=rank, world_size=world)
+        task = WideDigits(args.width)
+        model = torch.nn.parallel.DistributedDataParallel(task.model(seed=0))
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        shard = task.shard(rank, world, partition=IID, seed=0)
+        pacer = StepPacer(args.compute_ms, 1.0)
+        times = []
+        dist.barrier()
+        for step, (inputs, targets) in enumerate(Batches(shard, BATCH, seed=rank)):
+            if step == args.steps:
+                break
+            started = time.monotonic()
+            loss = task.loss(model, inputs, targets)
+            optimizer.zero_grad()
+            pacer.finish_step(started)  # the emulated compute, before backward's allreduce
+            loss.backward()
+            optimizer.step()
+            times.append(time.monotonic())
+        steady = times[len(times) // 4 :]
+        accuracy = task.evaluate(model.module).accuracy if rank == 0 else -1.0
+        results.put({"s_per_step": (steady[-1] - steady[0]) / max(len(steady) - 1, 1), "accuracy": accuracy})
+        dist.barrier()
+    except BaseException as exc:
+        results.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+    os._exit(0)  # (torch 2.13's gloo group can deadlock in its destructor; see bench/stragglers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--machines", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2, help="devices (local ranks) per machine")
+    parser.add_argument(
+        "--width", type=int, choices=WIDTHS, default=5000, help="hidden width: 5000 is ~25M parameters"
+    )
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--compute-ms", type=float, default=100.0)
+    parser.add_argument("--arms", default="hierarchical,flat,ddp")
+    parser.add_argument(
+        "--link", type=float, help="cap every host's uplink at this many Mbit/s (tc tbf; default: none)"
+    )
+    parser.add_argument(
+        "--algorithm",
+        default="dpsgd",
+        help="the gossip arms' --algorithm (default: dpsgd on a ring; sgp sends to one peer a round)",
+    )
+    args = parser.parse_args()
+    if why := netns.unavailable():
+        parser.error(f"namespace hosts: {why}")
+    m, n = args.machines, args.ranks
+    params = 64 * args.width + args.width * args.width + 10 * args.width
+    print(f"{m} machines x {n} devices, {params / 1e6:.1f}M parameters, {args.steps} steps, {args.algorithm}")
+    runs = {
+        "hierarchical": lambda: gossip_arm(m, n, args),
+        "flat": lambda: gossip_arm(m * n, 1, args),
+        "ddp": lambda: ddp_arm(m, n, args),
+    }
+    rows = {arm: runs[arm]() for arm in args.arms.split(",")}
+    flat = rows.get("flat")
+    print(
+        f"{'arm':<13} {'s/step':>7} {'x flat':>7} {'link MB':>9} {'MB/step':>8} {'x flat':>7} "
+        f"{'local MB':>9} {'acc':>6}"
+    )
+    for arm, row in rows.items():
+        speed = flat["s_per_step"] / row["s_per_step"] if flat else float("nan")
+        share = row["wire_bytes"] / flat["wire_bytes"] if flat else float("nan")
+        print(
+            f"{arm:<13} {row['s_per_step']:>7.3f} {speed:>7.2f} {row['wire_bytes'] / 1e6:>9.1f} "
+            f"{row['wire_bytes'] / args.steps / 1e6:>8.2f} {share:>7.3f} {row['local_bytes'] / 1e6:>9.1f} "
+            f"{row['accuracy']:>6.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
