@@ -145,17 +145,19 @@ class CHOCO(Averager):
     def after_step(self) -> RoundStats:
         self._time_round()
         r = self.round
-        encoded = self.codec.encode(self.params - self.public)
+        codec = self.codec.for_round(r)
+        encoded = codec.encode(self.params - self.public)
         row = self._row(r)
         try:
-            self.public += self.codec.decode(encoded.frames, encoded.meta, self.public.size)
+            self.public += codec.decode(encoded.frames, encoded.meta, self.public.size)
         except CodecError as exc:  # this node's own model diverged: nothing it could send is sane
             self.dropped[f"own_update_{exc.reason}"] += 1
         else:
             self._published = r
             frames = to_host(encoded.frames)
+            meta = {**encoded.meta, "codec": str(codec)}
             for target in row.send_to:
-                self.peer.send(target, KIND, r, frames, encoded.meta)
+                self.peer.send(target, KIND, r, frames, meta)
         started = self.peer.now()
         expected = self._gather(r, row)
         wait_s = self.peer.now() - started
@@ -214,7 +216,8 @@ class CHOCO(Averager):
                 self._catch_up(replica, self.round)
             return
         try:
-            q = self.codec.decode(to_device(message.tensors, self.params), message.meta, self.params.size)
+            codec = self.codec.for_message(message.meta)
+            q = codec.decode(to_device(message.tensors, self.params), message.meta, self.params.size)
         except CodecError as exc:
             self.rejected[exc.reason] += 1
             return

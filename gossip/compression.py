@@ -1,9 +1,13 @@
 """Codecs for model deltas: ``none``, ``fp16``, ``bf16``, ``int8``, ``topk:FRACTION``,
-``randk:FRACTION`` (as in ``--compression``).
+``randk:FRACTION`` (as in ``--compression``), and ``auto``: one of :data:`AUTO_LADDER` per
+epoch of rounds, as the mesh agreed from what its links cost (``gossip.auto_codec``).
 
 A codec turns a float32 vector into wire frames plus a small meta dict, and back. Decoding is a
 pure function of (frames, meta, size), the same on every node, so a sender can apply to its own
-public copy exactly what its receivers apply (CHOCO-SGD relies on that). Decoding checks every
+public copy exactly what its receivers apply (CHOCO-SGD relies on that). A message names the
+codec it was encoded with (``meta["codec"]``): a receiver decodes only what its own
+configuration allows (:meth:`Codec.for_message`), so a neighbour configured with another codec
+is counted (``codec_mismatch``), not misread. Decoding checks every
 frame against the vector size before building anything, and what it decodes is finite (int8's
 scales are bounded so that no decoded value overflows), or it raises :class:`CodecError` with a
 reason the node counts: frames come from the network.
@@ -21,7 +25,7 @@ positions wherever the vector lives.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +72,23 @@ class Codec:
         (values,) = _expect(frames, [(np.float32, size)])
         return _check_finite(values)
 
+    def for_round(self, round: int) -> Codec:
+        """The codec that encodes round ``round``'s update (``auto`` picks one per epoch)."""
+        return self
+
+    def for_message(self, meta: Mapping[str, Any]) -> Codec:
+        """The codec that decodes a message with ``meta``: this one, if the sender named it."""
+        if meta.get("codec") != str(self):
+            raise CodecError("codec_mismatch", f"encoded with {meta.get('codec')!r}; this node runs {self}")
+        return self
+
     @staticmethod
     def parse(spec: str, seed: int | None = None) -> Codec:
         """A codec from its ``--compression`` spelling (``int8``, ``topk:0.01``...); raises
         ``topologies.SpecError`` listing the choices. ``seed`` seeds random-k's draws."""
         name, params = parse_spec(spec, _CHOICES, "codec")
+        if name == AutoCodec.name:
+            return AutoCodec()
         if name in _SIMPLE:
             return _SIMPLE[name]()
         return Sparse(name, params["fraction"], seed)
@@ -206,11 +222,53 @@ class Sparse(Codec):
         return out
 
 
+AUTO_LADDER: tuple[Codec, ...] = (Codec(), BFloat16(), Int8())  # least to most compressed
+
+
+class AutoCodec(Codec):
+    """``auto``: the rung of :data:`AUTO_LADDER` the mesh agreed on for each epoch of rounds.
+    Dense codecs only: they keep CHOCO's step size at 1 and its convergence that of D-PSGD;
+    a sparse codec changes how the mesh converges, which no link measurement can judge.
+
+    ``level_for`` (round -> rung) is the node's agreement (``gossip.auto_codec``); the optimizer
+    binds it. Each message is encoded by :meth:`for_round`'s codec and names it."""
+
+    name = "auto"
+    exact = False
+
+    def __init__(self, level_for: Callable[[int], int] | None = None) -> None:
+        self._level_for = level_for
+
+    def bound(self, level_for: Callable[[int], int]) -> AutoCodec:
+        """This codec choosing its rung by ``level_for``."""
+        return AutoCodec(level_for)
+
+    def for_round(self, round: int) -> Codec:
+        if self._level_for is None:
+            raise ValueError(
+                "--compression auto is chosen by the mesh each epoch: use it through GossipOptimizer"
+            )
+        return AUTO_LADDER[self._level_for(round)]
+
+    def for_message(self, meta: Mapping[str, Any]) -> Codec:
+        for codec in AUTO_LADDER:
+            if meta.get("codec") == codec.name:
+                return codec
+        raise CodecError("codec_mismatch", f"encoded with {meta.get('codec')!r}; auto takes {_AUTO_NAMES}")
+
+    def encode(self, x: Array) -> Encoded:
+        raise TypeError("auto encodes with the codec of a round: codec.for_round(round).encode(x)")
+
+    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
+        return self.for_message(meta).decode(frames, meta, size)
+
+
+_AUTO_NAMES = ", ".join(codec.name for codec in AUTO_LADDER)
 _FRACTION = Params(
     {"fraction": number(float, above=0, at_most=1)}, positional="fraction", required=("fraction",)
 )
 _SIMPLE: dict[str, type[Codec]] = {"none": Codec, "fp16": Float16, "bf16": BFloat16, "int8": Int8}
-_CHOICES = {**dict.fromkeys(_SIMPLE, Params()), "topk": _FRACTION, "randk": _FRACTION}
+_CHOICES = {**dict.fromkeys([*_SIMPLE, AutoCodec.name], Params()), "topk": _FRACTION, "randk": _FRACTION}
 CODECS = tuple(spellings(_CHOICES))
 
 

@@ -19,15 +19,17 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from gossip.agreement import AgreeingPeer
 from gossip.algorithms import Algorithm
 from gossip.arrays import from_torch, shares_memory
+from gossip.auto_codec import CodecAgreement
 from gossip.averager import IncompatibleOptionsError, RoundStats
-from gossip.compression import Codec
+from gossip.compression import AUTO_LADDER, AutoCodec, Codec
 from gossip.consensus import relative_distance
 from gossip.flat import FlatParameters
 from gossip.live_state import LiveState
 from gossip.local_group import BackwardAveraging, LocalGroup
-from gossip.local_steps import AgreeingPeer, LocalStepsAgreement, check_auto
+from gossip.local_steps import LocalStepsAgreement, check_auto
 from gossip.momentum import QuasiGlobalMomentum
 from gossip.network import PeerNetwork
 from gossip.outer import MIN_LOCAL_STEPS, OuterNesterov
@@ -58,6 +60,7 @@ class GossipStatistics:
     phase_seconds: dict[str, float]  # totals per phase (``gossip.phases``)
     consensus: float | None  # the latest consensus estimate (see GossipOptimizer)
     local_steps_per_epoch: list[tuple[int, int]]  # with "auto": (first round of an epoch, its H)
+    codec_per_epoch: list[tuple[int, str]]  # with --compression auto: (first round of an epoch, its codec)
 
 
 class GossipOptimizer(torch.optim.Optimizer):
@@ -88,7 +91,8 @@ class GossipOptimizer(torch.optim.Optimizer):
             from measured step and round times, one H per epoch of rounds
             (``gossip.local_steps``; not with ``adpsgd`` or ``overlap``, which hide a round's cost).
         compression: the codec for what is sent (``Codec.parse("int8")``); None: none. Only
-            an algorithm that compresses (choco) takes one.
+            an algorithm that compresses (choco) takes one. ``Codec.parse("auto")``: the mesh
+            agrees on a dense codec per epoch from measured round times (``gossip.auto_codec``).
         outer_lr: with a value, local-steps training as DiLoCo: every H steps the gossip-mixed
             change is applied by an outer Nesterov step with this learning rate
             (``gossip.outer``); None: the mixed parameters are taken as they are.
@@ -185,7 +189,11 @@ class GossipOptimizer(torch.optim.Optimizer):
             and shares_memory(buckets[0])
         )
         timed = TimedPeer(peer, self.phases)
-        agreement = self.local_steps_agreement
+        self.codec_agreement: CodecAgreement | None = None
+        if isinstance(compression, AutoCodec):  # the mesh agrees on the codec of each epoch
+            self.codec_agreement = CodecAgreement()
+            compression = compression.bound(self.codec_agreement.value_for)
+        agreements = [a for a in (self.local_steps_agreement, self.codec_agreement) if a is not None]
         if self.mixes_in_place:
             mixed, layout = from_torch(buckets[0]), None
         elif local_group is not None:  # this rank's slice (a view: mixing writes the vector)
@@ -194,7 +202,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         else:
             mixed, layout = self.flat.array, self.flat.layout
         self.averager = algorithm.build(
-            timed if agreement is None else AgreeingPeer(timed, agreement),
+            AgreeingPeer(timed, agreements) if agreements else timed,
             mixed,
             topology=topology,
             round_timeout=round_timeout,
@@ -264,6 +272,8 @@ class GossipOptimizer(torch.optim.Optimizer):
             self._steps_since_round = 0
             if self.local_steps_agreement is not None:
                 self.local_steps_agreement.observe(round_s=self.peer.now() - round_started)
+            if self.codec_agreement is not None:
+                self.codec_agreement.observe(self.averager.round - 1, self.phases.last)
         self._state_server.poll()
         self._last_step_end = self.peer.now()
         return loss
@@ -273,7 +283,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         """H before the next round: ``average_every``, or the mesh's agreed one with ``"auto"``."""
         agreement = self.local_steps_agreement
         if agreement is not None:
-            return agreement.h_for(self.averager.round)
+            return agreement.value_for(self.averager.round)
         return self._machine_h if self.average_every == AUTO else int(self.average_every)
 
     @property
@@ -314,7 +324,7 @@ class GossipOptimizer(torch.optim.Optimizer):
                 group.share_slices(self.flat.array)
             if self.average_every == AUTO:  # every rank steps to rank 0's H
                 agreement = self.local_steps_agreement
-                h = agreement.h_for(self.averager.round) if agreement is not None else None
+                h = agreement.value_for(self.averager.round) if agreement is not None else None
                 self._machine_h = group.share_int(h)
 
     def _upload(self) -> None:
@@ -426,6 +436,10 @@ class GossipOptimizer(torch.optim.Optimizer):
             local_steps_per_epoch=list(
                 self.local_steps_agreement.history if self.local_steps_agreement else []
             ),
+            codec_per_epoch=[
+                (first, str(AUTO_LADDER[level]))
+                for first, level in (self.codec_agreement.history if self.codec_agreement else [])
+            ],
         )
 
     @property

@@ -67,6 +67,7 @@ class NodeRecord:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # totals per phase (gossip.phases)
     # with --local-steps/--average-every auto: [first round of an epoch, the H the mesh agreed]
     local_steps_per_epoch: list[list[int]] = field(default_factory=list)
+    codec_per_epoch: list[list[int | str]] = field(default_factory=list)
     # a machine of several local ranks (--local-ranks): one entry per rank (local_rank, address,
     # steps, bytes_sent and bytes_received on the network, bytes_local through the machine's
     # collectives, params_digest of its final parameters); the machine's bytes_sent /
@@ -127,6 +128,7 @@ def node_record(
         record.staleness = gossip.staleness
         record.phase_seconds = gossip.phase_seconds
         record.local_steps_per_epoch = [list(decision) for decision in gossip.local_steps_per_epoch]
+        record.codec_per_epoch = [list(decision) for decision in gossip.codec_per_epoch]
     rejected = Counter(gossip.rejected if gossip else {})
     dropped = Counter(gossip.dropped if gossip else {})
     if network is not None:

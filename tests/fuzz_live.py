@@ -160,7 +160,7 @@ def _valid_messages(draw: st.DrawFn) -> Input:
     elif kind == "choco":
         codec = draw(st.sampled_from([Int8(), Sparse("topk", 0.1)]))
         encoded = codec.encode(np.nan_to_num(vector))
-        tensors, meta = list(encoded.frames), {**meta, **encoded.meta}
+        tensors, meta = list(encoded.frames), {**meta, **encoded.meta, "codec": str(codec)}
     elif kind in (REQUEST, MANIFEST, CHUNK):
         meta.update(transfer=draw(ints), index=draw(st.integers(0, 2) | ints), manifest=draw(st.booleans()))
         meta.update(chunks=draw(st.lists(st.integers(0, 3) | ints, max_size=40)), settled=draw(ints))

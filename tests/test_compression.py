@@ -105,7 +105,7 @@ def test_randk_keeps_k_exact_values_at_random_positions() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("gzip", "unknown codec 'gzip'; choose one of none, fp16, bf16, int8, topk:FRACTION"),
+        ("gzip", "unknown codec 'gzip'; choose one of none, fp16, bf16, int8, auto, topk:FRACTION"),
         ("topk", "topk: needs fraction, as in topk:FRACTION"),
         ("randk:0", "randk: fraction: must be in (0, 1], got 0.0"),
         ("topk:1.5", "topk: fraction: must be in (0, 1], got 1.5"),

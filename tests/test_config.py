@@ -203,6 +203,11 @@ def test_a_node_runs_without_curve_only_when_told_so(tmp_path: Path) -> None:
 
 INVALID = [
     (["node", "--compression", "int8"], "--compression int8 needs --algorithm choco"),
+    (["node", "--compression", "auto"], "--compression auto needs --algorithm choco"),
+    (
+        ["simulate", "--algorithm", "choco", "--compression", "auto"],
+        "--compression: auto chooses from a training loop's measured round times",
+    ),
     (
         ["node", "--algorithm", "sgp", "--compression", "topk:0.1"],
         "--compression topk:0.1 needs --algorithm choco",

@@ -63,7 +63,7 @@ def test_choco_refuses_non_finite_updates() -> None:
     """Item 6: a neighbour's update of NaN."""
     choco, params, b = _choco_pair()
     choco.after_step()  # round 0 mixes b's full copy
-    b.send("a", KIND, 1, [np.full(SIZE, np.nan, np.float32)])
+    b.send("a", KIND, 1, [np.full(SIZE, np.nan, np.float32)], {"codec": "none"})
     choco.after_step()
     assert np.isfinite(params).all() and params[0] == pytest.approx(0.5)
     assert choco.rejected["non_finite"] == 1
@@ -74,7 +74,7 @@ def test_choco_drops_a_replica_that_a_diverged_neighbour_made_infinite() -> None
     choco, params, b = _choco_pair()
     choco.after_step()
     for r in (1, 2):
-        b.send("a", KIND, r, [np.full(SIZE, 3e38, np.float32)])
+        b.send("a", KIND, r, [np.full(SIZE, 3e38, np.float32)], {"codec": "none"})
         choco.after_step()
     assert np.isfinite(params).all()
     assert choco.rejected["non_finite"] == 1

@@ -310,6 +310,12 @@ class SimulateConfig(LocalSGD):
             )
         else:
             self.algorithm.check(topology=self.topology, codec=self.compression)
+        check(
+            self.compression.name != "auto",
+            "--compression",
+            "auto chooses from a training loop's measured round times, which a simulation does not "
+            "take; give a codec (none, bf16, int8...)",
+        )
         crashed = [round(fraction * self.nodes) for fraction, _ in self.crash]
         check(
             all(count >= 1 for count in crashed),

@@ -134,7 +134,11 @@ ALGORITHM = Option(
     Algorithm("dpsgd"),
 )
 COMPRESSION = Option(
-    Codec.parse, f"codec for what choco sends: {', '.join(CODECS)}", Codec(), metavar="CODEC"
+    Codec.parse,
+    f"codec for what choco sends: {', '.join(CODECS)}; auto: the mesh picks none, bf16 or int8 "
+    "each epoch of rounds from its measured round and step times",
+    Codec(),
+    metavar="CODEC",
 )
 ROBUST = Option(
     values.robust_rule,
