@@ -8,8 +8,12 @@ connections are few (``max_unverified``) and short-lived (``unverified_s``).
 
 A message sent on a member's connection that has not come up yet (ZeroMQ would drop it: every
 socket has ZMQ_IMMEDIATE) waits for it, up to ``HANDSHAKE_S`` and ``MAX_WAITING`` messages, so the
-first messages to a new member are not lost to a busy machine's slow handshake (others, to an
-address not known as a member's, are dropped at once: their protocols ask again).
+first messages to a new member are not lost to a busy machine's slow handshake. So does a
+``patient`` message to an address not known as a member's (membership's: a join's tables,
+which a handshake slowed by a loaded peer would otherwise lose on every try), up to
+``MAX_WAITING_UNVERIFIED``; if that connection never comes up (a wrong key among those tried),
+its messages go uncounted: their protocol asks again. Others to such an address are dropped
+at once.
 
 Every socket counts against ``max_connections`` (kept well below ZeroMQ's 1023 sockets per
 context): opening one more closes the least recently used. A connection not sent on for
@@ -37,6 +41,7 @@ UNVERIFIED_S = 10.0
 CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: dial, then speak
 HANDSHAKE_S = 2.0  # what is sent on a new connection waits this long for it to come up...
 MAX_WAITING = 32  # ...this many messages per connection
+MAX_WAITING_UNVERIFIED = 4  # ...and on a connection to an address not known as a member's
 HEARTBEAT_MS = 1000
 
 Target = tuple[str, bytes]  # (address, server key); the key is b"" without CURVE
@@ -122,9 +127,11 @@ class Connections:
         connection.used = now
         return connection
 
-    def send(self, target: Target, frames: list[Any], *, verified: bool) -> bool:
+    def send(self, target: Target, frames: list[Any], *, verified: bool, patient: bool = False) -> bool:
         """Send on the connection to ``target`` (dialed now if there is none) without blocking;
-        False when the message is dropped (a connection that is up but full, or none)."""
+        False when the message is dropped (a connection that is up but full, or none). On a
+        connection still in its handshake a member's message waits for it, and a ``patient``
+        one (see above)."""
         connection = self.get(target, verified=verified)
         if not connection.waiting:
             try:
@@ -134,7 +141,8 @@ class Connections:
             except zmq.Again:
                 pass
         young = self._clock() - connection.opened < HANDSHAKE_S
-        if connection.verified and not connection.up and young and len(connection.waiting) < MAX_WAITING:
+        room = MAX_WAITING if connection.verified else MAX_WAITING_UNVERIFIED if patient else 0
+        if not connection.up and young and len(connection.waiting) < room:
             connection.waiting.append(frames)
             return True
         return False
@@ -154,7 +162,7 @@ class Connections:
                     connection.socket.send_multipart(connection.waiting[0], flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     if now - connection.opened >= HANDSHAKE_S:
-                        dropped += len(connection.waiting)
+                        dropped += len(connection.waiting) if connection.verified else 0
                         connection.waiting.clear()
                     break
                 connection.waiting.popleft()

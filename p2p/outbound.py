@@ -88,7 +88,9 @@ class Outbound:
         while self._held and pacer.wait_s() == 0:
             self._guarded("command", self._held.popleft())
 
-    def send_now(self, address: str, key: str | None, member: bool, frames: list[Any]) -> None:
+    def send_now(
+        self, address: str, key: str | None, member: bool, frames: list[Any], *, patient: bool = False
+    ) -> None:
         targets = self._connections.targets(address, key)
         behind_a_stream = [t for t in targets if t in self._streams]
         for target in behind_a_stream:  # it goes after what is being streamed there, in order
@@ -99,7 +101,9 @@ class Outbound:
         targets = [t for t in targets if t not in self._streams]
         if behind_a_stream and not targets:
             return
-        sent = sum(self._connections.send(target, frames, verified=member) for target in targets)
+        sent = sum(
+            self._connections.send(target, frames, verified=member, patient=patient) for target in targets
+        )
         if not targets:
             self._stats.drop("untrusted_key")
         elif not sent:

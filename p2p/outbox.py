@@ -2,7 +2,8 @@
 
 A new ZeroMQ connection drops what is sent before its handshake completes, so a message to an
 address not dialed yet waits (at most ``MAX_WAITING`` of them; the oldest goes first) until the
-connection can take it. A member table goes as several messages when it does not fit one: the
+connection can take it, and then still for a handshake that a loaded peer has slowed (sent
+``patient``, see ``p2p.connections``). A member table goes as several messages when it does not fit one: the
 decoder takes at most 512 items per array and 64 KiB per header, whatever the mesh's size.
 """
 
@@ -45,7 +46,7 @@ class Outbox:
         """Send now, or once the connection to ``address`` (with ``key``) is up."""
         ready_at = self._transport.ready_at(address, key, member=member)
         if now >= ready_at:
-            self._transport.send(address, kind, 0, meta=meta, key=key, member=member)
+            self._transport.send(address, kind, 0, meta=meta, key=key, member=member, patient=True)
             return
         if len(self._waiting) >= MAX_WAITING:
             self._waiting.popleft()
@@ -58,7 +59,7 @@ class Outbox:
         if due:
             self._waiting = deque(w for w in self._waiting if w.at > now)
         for w in due:
-            self._transport.send(w.address, w.kind, 0, meta=w.meta, key=w.key, member=w.member)
+            self._transport.send(w.address, w.kind, 0, meta=w.meta, key=w.key, member=w.member, patient=True)
 
     def next_due(self) -> float | None:
         return min((w.at for w in self._waiting), default=None)

@@ -292,29 +292,32 @@ class Transport:
         *,
         key: str | None = None,
         member: bool = False,
+        patient: bool = False,
     ) -> None:
         """Queue a message to the node at ``address``; never blocks.
 
         ``key``: the CURVE key expected there (None: not known, try every trusted key);
-        ``member``: whether ``address`` is a member's (else its connection is short-lived).
+        ``member``: whether ``address`` is a member's (else its connection is short-lived);
+        ``patient``: on a connection still in its handshake, the message waits for it (as a
+        member's do) instead of being dropped (see ``p2p.connections``).
         Tensors are sent from their own memory: do not modify them afterwards.
         """
         fields: dict[str, Any] = {
             "kind": kind, "sender": self.node_id, "round": round, "tensors": tensors, "meta": meta
         }  # fmt: skip
         if self._outbound.paced:  # encoded when it leaves (its seq then), see _hold
-            self.call_soon(lambda: self._hold(address, key, member, fields))
+            self.call_soon(lambda: self._hold(address, key, member, patient, fields))
             return
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
-            self.call_soon(self._encoded(address, key, member, fields))
+            self.call_soon(self._encoded(address, key, member, patient, fields))
 
     def _encoded(
-        self, address: str, key: str | None, member: bool, fields: dict[str, Any]
+        self, address: str, key: str | None, member: bool, patient: bool, fields: dict[str, Any]
     ) -> Callable[[], None]:
         """The message encoded (its sequence numbers taken now), as the send to run."""
         if sum(t.nbytes for t in fields["tensors"]) <= self._chunk_bytes:
             frames = encode(**fields, session=self._session, seq=next(self._seq))
-            return lambda: self._outbound.send_now(address, key, member, frames)
+            return lambda: self._outbound.send_now(address, key, member, frames, patient=patient)
         chunks = encode_chunks(**fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes)
         return lambda: self._outbound.send_stream(address, key, member, chunks)
 
@@ -508,15 +511,17 @@ class Transport:
         """Close the connections to ``address``, dropping what is queued (network thread only)."""
         self.connections.close_address(address)
 
-    def _hold(self, address: str, key: str | None, member: bool, fields: dict[str, Any]) -> None:
+    def _hold(
+        self, address: str, key: str | None, member: bool, patient: bool, fields: dict[str, Any]
+    ) -> None:
         """With a send cap: a service's message (membership: small, and late it would make
         peers suspect this node) leaves now (behind a stream being fed to that peer, though);
         the others wait their turn, encoded as they leave so that sequence numbers go out in
         order whatever passed them (network thread)."""
         if fields["kind"] in self._services:
-            self._encoded(address, key, member, fields)()
+            self._encoded(address, key, member, patient, fields)()
         else:
-            self._outbound.hold(lambda: self._encoded(address, key, member, fields)())
+            self._outbound.hold(lambda: self._encoded(address, key, member, patient, fields)())
 
     def _closed(self, target: Target, connection: Connection) -> None:
         self._outbound.closed(target, connection)

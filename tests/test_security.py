@@ -18,7 +18,7 @@ from hostile import connect
 
 from p2p import Peer, Transport
 from p2p.rejections import Rejections
-from p2p.security import Curve, NodeKeys, SecurityError, TrustedKeys, keygen
+from p2p.security import Curve, NodeKeys, SecurityError, TrustedKeys, _TrustedProvider, keygen
 from p2p.wire import encode
 
 
@@ -85,6 +85,25 @@ def test_trusted_peers_form_a_mesh_through_a_bootstrap_address_alone(tmp_path: P
         message = peers[0].recv(5.0, {"params"})
         assert message is not None and message.sender == "c"
         np.testing.assert_array_equal(message.tensors[0], vector)
+
+
+def test_a_node_joins_through_a_peer_whose_handshakes_are_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every CURVE handshake takes 0.3 s (a peer's authenticator starved of CPU: a loaded CI
+    run's joiner never got in). A join's tables wait for the handshake, on either side: they
+    used to be sent once the new connection was 50 ms old and dropped, on every try."""
+    decide = _TrustedProvider.callback
+
+    def slowly(self: _TrustedProvider, domain: str, key: bytes) -> bool:
+        time.sleep(0.3)
+        return decide(self, domain, key)
+
+    monkeypatch.setattr(_TrustedProvider, "callback", slowly)
+    trusted = make_keys(tmp_path, "a", "b")
+    with curve_peers(tmp_path, ["a", "b"], trusted) as peers:
+        joined = wait_until(lambda: all(p.members() == {"a", "b"} for p in peers), 20)
+        assert joined, [(p.members(), dict(p.stats.dropped)) for p in peers]
 
 
 def test_an_untrusted_peer_gets_no_frame_through_until_its_key_is_trusted(tmp_path: Path) -> None:
