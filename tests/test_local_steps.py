@@ -28,29 +28,12 @@ NODES, DIM, STEP_S = 4, 8, 0.004
 
 
 class SlowLink(PeerWrapper):
-    """A node whose every send takes ``delay_s`` of its time, as a slow uplink would."""
+    """A node whose every send takes ``delay_s``, plus its bytes over ``bytes_per_s``, of its
+    time, as a slow uplink would."""
 
-    def __init__(self, peer: PeerNetwork, delay_s: float) -> None:
+    def __init__(self, peer: PeerNetwork, delay_s: float = 0.0, bytes_per_s: float = math.inf) -> None:
         super().__init__(peer)
         self.delay_s = delay_s
-
-    def send(
-        self,
-        to: str,
-        kind: str,
-        round: int,
-        tensors: Sequence[np.ndarray] = (),
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
-        time.sleep(self.delay_s)
-        super().send(to, kind, round, tensors, meta)
-
-
-class BandwidthLink(SlowLink):
-    """A node whose every send takes its bytes over ``bytes_per_s`` of its time."""
-
-    def __init__(self, peer: PeerNetwork, bytes_per_s: float) -> None:
-        super().__init__(peer, 0.0)
         self.bytes_per_s = bytes_per_s
 
     def send(
@@ -61,7 +44,7 @@ class BandwidthLink(SlowLink):
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        self.delay_s = sum(t.nbytes for t in tensors) / self.bytes_per_s
+        time.sleep(self.delay_s + sum(t.nbytes for t in tensors) / self.bytes_per_s)
         super().send(to, kind, round, tensors, meta)
 
 
@@ -171,7 +154,7 @@ def _codecs(bytes_per_s: float) -> tuple[list[list[tuple[int, str]]], float]:
     ``--compression auto``, a 4096-element model, 50 ms steps and every send taking its bytes
     over ``bytes_per_s``, and the mesh's distance from the optimum."""
     optimizers, error = _mesh(
-        lambda peer: BandwidthLink(peer, bytes_per_s),
+        lambda peer: SlowLink(peer, bytes_per_s=bytes_per_s),
         dim=4096,
         step_s=0.05,
         algorithm=Algorithm.parse("choco"),
