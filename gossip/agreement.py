@@ -117,8 +117,14 @@ class AgreeingPeer(PeerWrapper):
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        carried = {key: agreement.outgoing(round) for key, agreement in self._agreements.items()}
-        self._peer.send(to, kind, round, tensors, {**(meta or {}), **carried})
+        meta = dict(meta or {})
+        for key, agreement in self._agreements.items():
+            if key in meta:
+                raise ValueError(
+                    f"a {kind} message has its own meta[{key!r}]: rename the agreement's meta_key"
+                )
+            meta[key] = agreement.outgoing(round)
+        self._peer.send(to, kind, round, tensors, meta)
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
         message = self._peer.recv(timeout, kinds)

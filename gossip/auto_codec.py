@@ -45,7 +45,7 @@ class CodecAgreement(EpochAgreement):
     """One node's side: its rounds' times and the rung they call for (``value_for(round)``: the
     rung of :data:`~gossip.compression.AUTO_LADDER` for ``round``)."""
 
-    meta_key = "codec"
+    meta_key = "codec_agreement"  # ("codec" names each update's own codec)
 
     def __init__(self) -> None:
         top = len(AUTO_LADDER) - 1

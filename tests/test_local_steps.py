@@ -152,7 +152,9 @@ def test_auto_refuses_algorithms_that_hide_a_rounds_cost() -> None:
 def _codecs(bytes_per_s: float) -> tuple[list[list[tuple[int, str]]], float]:
     """Each node's codec decisions (first round of an epoch, codec) for CHOCO with
     ``--compression auto``, a 4096-element model, 50 ms steps and every send taking its bytes
-    over ``bytes_per_s``, and the mesh's distance from the optimum."""
+    over ``bytes_per_s``, and the mesh's distance from the optimum. Every update sent was mixed
+    in (none refused: the agreement's meta once overwrote each update's codec name, and every
+    update was refused as codec_mismatch)."""
     optimizers, error = _mesh(
         lambda peer: SlowLink(peer, bytes_per_s=bytes_per_s),
         dim=4096,
@@ -161,6 +163,11 @@ def _codecs(bytes_per_s: float) -> tuple[list[list[tuple[int, str]]], float]:
         compression=Codec.parse("auto"),
         round_timeout=2,  # (how soon a node asks again for a neighbour's first public copy)
     )
+    for optimizer in optimizers:
+        statistics = optimizer.statistics()
+        assert statistics.rejected == {}, statistics.rejected
+        # two neighbours a round, 3 epochs of rounds (a late q is still taken: it is counted)
+        assert optimizer.averager.staleness.accepted >= 2 * 3 * EPOCH_ROUNDS - 4
     return [optimizer.statistics().codec_per_epoch for optimizer in optimizers], error
 
 
