@@ -134,17 +134,16 @@ def _machine_rank(
     master_port: int,
     listen: list[str],
     runs: list[str],
-    mixed: Any,
+    finish: Finish,
     results: Any,
 ) -> None:
     """One rank, training a linear model whose target differs by machine (so gossip must move
     it) once per run in ``runs``, one after another on the same machine and mesh (each run's
-    algorithm its own message kinds). ``mixed``: a shared flag per (run, machine), set once all
-    of that machine's ranks have mixed enough."""
+    algorithm its own message kinds)."""
     try:
         group, network = _join_machine(machine, rank, master_port, listen)
         outcome = {
-            name: _train(machine, rank, network, group, name, (mixed, 3 * i)) for i, name in enumerate(runs)
+            name: _train(machine, rank, network, group, name, (finish, i)) for i, name in enumerate(runs)
         }
         results.put((machine, rank, outcome))
         network.close()
@@ -178,10 +177,10 @@ def _train(
     network: Peer | LocalRankPeer,
     group: LocalGroup,
     run: str,
-    mixed: tuple[Any, int],
+    finish: tuple[Finish, int],
 ) -> RankRun:
-    """One run of ``run`` on this rank, until every machine has mixed enough (``mixed``: the
-    shared flags and where this run's three begin)."""
+    """One run of ``run`` on this rank, until every machine has mixed enough (``finish``: the
+    shared record and this run's index in it)."""
     model = torch.nn.Linear(40, 1)
     torch.nn.init.zeros_(model.weight)
     torch.nn.init.zeros_(model.bias)
@@ -196,8 +195,12 @@ def _train(
     data = torch.Generator().manual_seed(100 * machine + rank)  # every rank its own batches
     truth = torch.randn(40, 1, generator=torch.Generator().manual_seed(7))
     digests, h = [], []
-    while len(digests) < STEPS or (
-        len(digests) < 10 * STEPS and not _all_mixed(group, optimizer, machine, mixed)
+    # a run ends right after a round: with local steps, the steps after the last round pull
+    # each machine towards its own target again (up to H - 1 = 3 steps of 10% of the way)
+    while (
+        len(digests) < STEPS
+        or not optimizer.round_ran
+        or (len(digests) < 10 * STEPS and not _finished(group, optimizer, machine, finish))
     ):
         time.sleep(STEP_S.get(run, 0.0))
         x = torch.randn(16, 40, generator=data)
@@ -213,24 +216,43 @@ def _train(
     return RankRun(digests, h, params, network.stats.bytes_sent - sent, group.bytes_local - local)
 
 
-def _all_mixed(group: LocalGroup, optimizer: GossipOptimizer, machine: int, mixed: tuple[Any, int]) -> bool:
-    """Whether every rank of every machine has mixed in enough of its neighbours' messages
-    (``mixed``: one shared flag per machine; this machine's is set here). AD-PSGD exchanges at
-    its own pace, and SGP does not wait for a neighbour that fell behind, so on a loaded machine
-    30 steps can pass before either mixes anything; and a machine must go on gossiping until
-    the others have mixed too (one that stopped would leave a slow one pushing to nobody)."""
-    flags, first = mixed
+class Finish:
+    """When the forked machines' runs end, in memory they share: a flag per (run, machine), set
+    once all of that machine's ranks have mixed enough, and the round each run ends at."""
+
+    def __init__(self, runs: int) -> None:
+        context = multiprocessing.get_context("fork")
+        self.mixed = context.Array("b", 3 * runs)
+        self.end_round = context.Array("q", runs)
+
+
+def _finished(
+    group: LocalGroup, optimizer: GossipOptimizer, machine: int, finish: tuple[Finish, int]
+) -> bool:
+    """Whether this machine's run is over: every rank of every machine has mixed in enough of
+    its neighbours' messages, and this machine reached the run's end round (the round after the
+    one at which a machine first saw all mixed, so that every machine stops after the same
+    round). AD-PSGD exchanges at its own pace, and SGP does not wait for a neighbour that fell
+    behind, so on a loaded machine 30 steps can pass before either mixes anything; and a machine
+    must go on gossiping until the others have mixed too (one that stopped would leave a slow
+    one pushing to nobody)."""
+    shared, run = finish
+    flags = shared.mixed[3 * run : 3 * run + 3]
     machine_mixed = not group.agree(optimizer.averager.staleness.accepted < MIN_MIXED)
     if machine_mixed and group.rank == 0:
-        flags[first + machine] = 1
-    everyone = all(flags[first : first + 3])
-    return not group.agree(not everyone)  # (the ranks may read the flags apart: they agree)
+        shared.mixed[3 * run + machine] = 1
+        flags[machine] = 1
+    if all(flags) and group.rank == 0:
+        with shared.end_round.get_lock():
+            if not shared.end_round[run]:
+                shared.end_round[run] = optimizer.round + 1
+    end = shared.end_round[run]
+    return not group.agree(not end or optimizer.round < end)  # (the ranks read it apart: they agree)
 
 
 def _three_machines(runs: list[str]) -> dict[tuple[int, int], dict[str, RankRun]]:
     """Every rank's runs: 3 machines of 2 ranks, forked, a gloo group per machine."""
-    mixed = multiprocessing.get_context("fork").Array("b", 3 * len(runs))
-    return _forked_machines(3, _machine_rank, addresses(3), runs, mixed)
+    return _forked_machines(3, _machine_rank, addresses(3), runs, Finish(len(runs)))
 
 
 def _forked_machines(machines: int, target: Callable[..., None], *args: Any) -> dict[tuple[int, int], Any]:
