@@ -83,7 +83,13 @@ class ADPSGD(Averager):
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            partner = pair_partner(self.topology, self.peer.members(), self.peer.node_id, self.exchanges)
+            partner = pair_partner(
+                self.topology,
+                self.peer.members(),
+                self.peer.node_id,
+                self.exchanges,
+                self.peer.not_listening(),
+            )
             if partner is not None:
                 self._time_round()
                 self._exchange(partner)

@@ -186,7 +186,7 @@ class Averager:
         membership of that round."""
         topology = topology or self.topology
         members = self.peer.members(r)
-        row = mixing_row(topology, members, self.peer.node_id, r)
+        row = mixing_row(topology, members, self.peer.node_id, r, self.peer.not_listening())
         if row.topology != topology:
             if self.fallback_rounds == 0:
                 log.warning(

@@ -51,6 +51,11 @@ class PeerNetwork(Protocol):
         round R is still a member of rounds up to R, so views agree on each round's graph)."""
         ...
 
+    def not_listening(self) -> frozenset[str]:
+        """The members that accept no connection (``--no-listen``): the topology never pairs
+        two of them (see ``topologies.graphs.pair_with_listeners``)."""
+        ...
+
     def send(
         self,
         to: str,
@@ -98,6 +103,9 @@ class PeerWrapper:
 
     def members(self, round: int | None = None) -> frozenset[str]:
         return self._peer.members(round)
+
+    def not_listening(self) -> frozenset[str]:
+        return self._peer.not_listening()
 
     def send(
         self,

@@ -110,7 +110,7 @@ class SGP(Averager):
         keeping up (whose newest share is from round r - 1 or later)."""
         if r < 0:
             return set()
-        row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r)
+        row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r, self.peer.not_listening())
         return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1}
 
     def _take_shares(self, r: int, expected: set[tuple[str, int]]) -> None:

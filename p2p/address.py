@@ -17,6 +17,9 @@ _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _WILDCARDS = {"*", "0.0.0.0", "[::]"}
 OUTGOING_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # the kernel's source ports
 FIRST_PICKED_PORT = 10_000  # free_ports picks from here up to the first of those
+# the address of a node that accepts no connection (``--no-listen``): it is reached over the
+# connections it opened (``p2p.connections``)
+INBOUND = "inbound://"
 
 
 class AddressError(ValueError):
@@ -32,6 +35,25 @@ def parse_endpoint(text: str) -> str:
             "e.g. tcp://127.0.0.1:7000 (port 0 picks a free one)"
         )
     return f"tcp://{match['host']}:{int(match['port'])}"
+
+
+def inbound_address(node_id: str) -> str:
+    """The address a node that does not listen goes by: its id, under ``inbound://``."""
+    return INBOUND + check_node_id(node_id)
+
+
+def inbound_id(address: str) -> str | None:
+    """The node id of an ``inbound://`` address; None for an address one can dial."""
+    return address[len(INBOUND) :] if address.startswith(INBOUND) else None
+
+
+def parse_member_address(text: str, node_id: str) -> str:
+    """A member record's address: a dialable endpoint, or the member's own ``inbound://`` id."""
+    if text.startswith(INBOUND):
+        if text != inbound_address(node_id):
+            raise AddressError(f"an inbound-only member goes by {inbound_address(node_id)}, not {text!r}")
+        return text
+    return parse_endpoint(text)
 
 
 def bind_form(endpoint: str) -> str:

@@ -15,6 +15,13 @@ which a handshake slowed by a loaded peer would otherwise lose on every try), up
 its messages go uncounted: their protocol asks again. Others to such an address are dropped
 at once.
 
+A node that does not listen (``--no-listen``, address ``inbound://ID``) is reached over the
+connections it opened: each message a node's ROUTER receives notes the route back to its
+sender (the routing id of the sender's DEALER), and a message to an ``inbound://`` address
+goes out on the ROUTER along the sender's latest route (``ZMQ_ROUTER_MANDATORY``: a route
+whose connection is gone fails the send, as a dead peer's DEALER does). Routes are bounded
+(``MAX_ROUTES``, least recently heard dropped first). On such a node each DEALER is read too.
+
 Every socket counts against ``max_connections`` (kept well below ZeroMQ's 1023 sockets per
 context): opening one more closes the least recently used. A connection not sent on for
 ``idle_s`` is closed; the next send to it dials again. So no peer, however many addresses it
@@ -23,6 +30,7 @@ names, can make a node hold more than ``max_connections`` sockets, or hold one f
 
 from __future__ import annotations
 
+import errno
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -32,6 +40,8 @@ from typing import Any
 
 import zmq
 
+from p2p.address import INBOUND, inbound_id
+from p2p.polling import Poller
 from p2p.security import Curve, configure_client
 
 MAX_CONNECTIONS = 512
@@ -43,6 +53,7 @@ HANDSHAKE_S = 2.0  # what is sent on a new connection waits this long for it to 
 MAX_WAITING = 32  # ...this many messages per connection
 MAX_WAITING_UNVERIFIED = 4  # ...and on a connection to an address not known as a member's
 HEARTBEAT_MS = 1000
+MAX_ROUTES = MAX_CONNECTIONS  # routes back to senders that may not listen
 
 Target = tuple[str, bytes]  # (address, server key); the key is b"" without CURVE
 
@@ -55,6 +66,27 @@ class Connection:
     verified: bool  # its key came from a member record (or CURVE is off)
     waiting: deque[list[Any]] = field(default_factory=deque)  # messages sent before it was up
     up: bool = False  # a message went out on it (then a failed send means the peer is gone)
+    routed: bool = False  # to an inbound:// address, over the ROUTER...
+    route: bytes | None = None  # ...along this routing id (None: none heard yet)
+
+    def send(self, frames: list[Any]) -> None:
+        """Send without blocking: ``zmq.Again`` when the peer's queue is full (or a route is
+        not known yet), :class:`RouteClosedError` when a route's connection has closed."""
+        if not self.routed:
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return
+        if self.route is None:
+            raise zmq.Again
+        try:
+            self.socket.send_multipart([self.route, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                raise RouteClosedError from None
+            raise
+
+
+class RouteClosedError(Exception):
+    """The connection a route went back over has closed (its peer left or reconnected)."""
 
 
 class Connections:
@@ -71,6 +103,8 @@ class Connections:
         send_queue: ZMQ_SNDHWM of each socket.
         linger_ms: ZMQ_LINGER of each socket (on idle or evicted close: 0).
         on_close: called with a target whose socket was closed (its queued stream is gone).
+        poller: the network thread's; with ``receives``, every DEALER is read (this node does
+            not listen: what its peers send it comes back on the connections it opened).
     """
 
     def __init__(
@@ -82,6 +116,8 @@ class Connections:
         send_queue: int,
         linger_ms: int,
         on_close: Callable[[Target, Connection], None],
+        poller: Poller,
+        receives: bool = False,
         max_connections: int = MAX_CONNECTIONS,
         max_unverified: int = MAX_UNVERIFIED,
         idle_s: float | None = None,
@@ -94,6 +130,10 @@ class Connections:
         self._send_queue = send_queue
         self._linger_ms = linger_ms
         self._on_close = on_close
+        self._poller = poller
+        self._receives = receives
+        self.router: zmq.Socket[bytes] | None = None  # the transport's, once bound
+        self._routes: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # (id, key) -> routing id
         self._max = max_connections
         self._max_unverified = max_unverified
         self._idle_s = IDLE_S if idle_s is None else idle_s
@@ -105,20 +145,38 @@ class Connections:
     def __len__(self) -> int:
         return len(self._open)
 
+    def note_route(self, node_id: str, key: str, routing_id: bytes) -> None:
+        """A message from ``node_id`` (under CURVE ``key``) came over ``routing_id``: the way
+        back to it if it does not listen."""
+        self._routes[node_id, key] = routing_id
+        self._routes.move_to_end((node_id, key))
+        if len(self._routes) > MAX_ROUTES:
+            self._routes.popitem(last=False)
+
     def targets(self, address: str, key: str | None) -> list[Target]:
         """Where a message to ``address`` goes: the one (address, key), or with CURVE and no key
-        known, one per trusted key; none for a key that is not trusted."""
+        known, one per trusted key (to an ``inbound://`` address, per key it was heard under);
+        none for a key that is not trusted."""
         if self._curve is None:
             return [(address, b"")]
+        node_id = inbound_id(address)
+        if key is None and node_id is not None:
+            return [(address, k.encode()) for n, k in self._routes if n == node_id]
         if key is None:
             return [(address, k) for k in sorted(self._curve.trusted.current())]
         raw = key.encode()
         return [(address, raw)] if self._curve.trusted.allows(raw) else []
 
-    def get(self, target: Target, *, verified: bool) -> Connection:
-        """The connection to ``target``, dialed now if there is none; marks it used."""
+    def get(self, target: Target, *, verified: bool) -> Connection | None:
+        """The connection to ``target``, dialed now if there is none (None: an ``inbound://``
+        target that is not a member's, with no route back); marks it used. A member's messages
+        to an ``inbound://`` target wait for its route as they wait for a handshake."""
         now = self._clock()
-        connection = self._open.get(target)
+        connection = self.find(target)
+        if connection is None and inbound_id(target[0]) is not None:
+            connection = self._routed(target, verified, now)
+            if connection is None:
+                return None
         if connection is None:
             connection = self._dial(target, verified, now)
         else:
@@ -133,13 +191,18 @@ class Connections:
         connection still in its handshake a member's message waits for it, and a ``patient``
         one (see above)."""
         connection = self.get(target, verified=verified)
+        if connection is None:
+            return False
         if not connection.waiting:
             try:
-                connection.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                connection.send(frames)
                 connection.up = True
                 return True
             except zmq.Again:
                 pass
+            except RouteClosedError:
+                self.forget_route(target)
+                return False
         young = self._clock() - connection.opened < HANDSHAKE_S
         room = MAX_WAITING if connection.verified else MAX_WAITING_UNVERIFIED if patient else 0
         if not connection.up and young and len(connection.waiting) < room:
@@ -156,11 +219,15 @@ class Connections:
         """Send what waits on connections that came up; returns how many messages were dropped
         because theirs did not within ``HANDSHAKE_S``."""
         dropped, now = 0, self._clock()
-        for connection in self._open.values():
+        for target, connection in self._open.items():
+            if connection.routed and connection.waiting:
+                connection.route = self._routes.get(_route_key(target))
             while connection.waiting:
                 try:
-                    connection.socket.send_multipart(connection.waiting[0], flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                    connection.send(connection.waiting[0])
+                except (zmq.Again, RouteClosedError) as exc:
+                    if isinstance(exc, RouteClosedError):  # a stale route: wait for a new one
+                        self._routes.pop(_route_key(target), None)
                     if now - connection.opened >= HANDSHAKE_S:
                         dropped += len(connection.waiting) if connection.verified else 0
                         connection.waiting.clear()
@@ -170,7 +237,24 @@ class Connections:
         return dropped
 
     def find(self, target: Target) -> Connection | None:
-        return self._open.get(target)
+        """The open connection to ``target`` (a routed one along its latest route), if any."""
+        connection = self._open.get(target)
+        if connection is not None and connection.routed:
+            connection.route = self._routes.get(_route_key(target))
+        return connection
+
+    def readable(self, events: dict[Any, int]) -> list[tuple[Target, Connection]]:
+        """The DEALERs that have input (only on a node that does not listen)."""
+        if not self._receives:
+            return []
+        return [(t, c) for t, c in self._open.items() if events.get(c.socket, 0) & zmq.POLLIN]
+
+    def forget_route(self, target: Target) -> None:
+        """The route to an ``inbound://`` target failed: its connection has closed."""
+        if inbound_id(target[0]) is not None:
+            self._routes.pop(_route_key(target), None)
+        if target in self._open:
+            self._close(target, linger_ms=0)
 
     def close_address(self, address: str) -> None:
         """Close every connection to ``address`` (whatever key), dropping what is queued."""
@@ -187,6 +271,20 @@ class Connections:
     def close_all(self) -> None:
         for target in list(self._open):
             self._close(target, linger_ms=self._linger_ms)
+
+    def _routed(self, target: Target, verified: bool, now: float) -> Connection | None:
+        """A new connection to an ``inbound://`` target along its latest route (for a member's
+        messages, also before one is known), or None."""
+        route = self._routes.get(_route_key(target))
+        if self.router is None or (route is None and not verified):
+            return None
+        if len(self._open) >= self._max:
+            self._evict(next(iter(self._open)))
+        connection = Connection(
+            self.router, now, now, verified, up=route is not None, routed=True, route=route
+        )
+        self._open[target] = connection
+        return connection
 
     def _dial(self, target: Target, verified: bool, now: float) -> Connection:
         if not verified:
@@ -212,6 +310,8 @@ class Connections:
             socket.close(linger=0)
             raise
         connection = self._open[target] = Connection(socket, now, now, verified)
+        if self._receives:
+            self._poller.want(socket, zmq.POLLIN)
         return connection
 
     def _evict(self, target: Target) -> None:
@@ -221,7 +321,14 @@ class Connections:
     def _close(self, target: Target, *, linger_ms: int) -> None:
         connection = self._open.pop(target)
         self._on_close(target, connection)
-        connection.socket.close(linger=linger_ms)
+        if not connection.routed:  # (a route's socket is the ROUTER: it stays)
+            self._poller.unwant(connection.socket, zmq.POLLIN | zmq.POLLOUT)
+            connection.socket.close(linger=linger_ms)
+
+
+def _route_key(target: Target) -> tuple[str, str]:
+    """The (node id, key) a route to an ``inbound://`` target is kept under."""
+    return target[0].removeprefix(INBOUND), target[1].decode()
 
 
 def usable_at(connection: Connection) -> float:

@@ -99,6 +99,9 @@ class LocalRankPeer(Endpoint):
     def members(self, round: int | None = None) -> frozenset[str]:
         return members_in_round(self._view.values(), round)
 
+    def not_listening(self) -> frozenset[str]:
+        return frozenset(m.id for m in self._view.values() if not m.reachable)
+
     def send(
         self,
         to: str,

@@ -23,7 +23,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from p2p.address import AddressError, check_node_id, parse_endpoint
+from p2p.address import AddressError, check_node_id, inbound_id, parse_endpoint, parse_member_address
 
 _U63 = 2**63 - 1
 MAX_ADDRESS_CHARS = 300
@@ -72,6 +72,11 @@ class Member:
         return [*wire, list(self.ranks)] if self.ranks else wire
 
     @property
+    def reachable(self) -> bool:
+        """Whether it accepts connections (else it is reached over those it opens: ``--no-listen``)."""
+        return inbound_id(self.address) is None
+
+    @property
     def endpoints(self) -> tuple[str, str, tuple[str, ...]]:
         """What a life cannot change: where it is reached and with what key."""
         return self.address, self.key, self.ranks
@@ -89,7 +94,7 @@ class Member:
             raise ValueError(f"member id and address must be strings (addresses of <= {MAX_ADDRESS_CHARS})")
         try:
             check_node_id(node_id)
-            address = parse_endpoint(address)
+            address = parse_member_address(address, node_id)
         except AddressError as exc:
             raise ValueError(str(exc)) from None
         if type(session) is not int or not 0 <= session <= _U63:

@@ -16,6 +16,11 @@ Runs on the network thread as a transport service; no node is special.
   raising its incarnation) within ``suspicion_mult * max(1, log10 n)`` intervals is declared
   dead. All timers use the monotonic clock.
 - Leave: the node tells every member at once, naming the last gossip round it took part in.
+- Members that do not listen (``inbound://`` addresses, see ``p2p.connections``): such a node
+  talks only to members that listen, and every ``ROUTE_REFRESH_S`` sends each of them a
+  ``route`` message, so each holds a fresh route back to it (a connection it opened). The others
+  reach it along that route: probes, tables, gossip. It is never asked to ping a member that
+  does not listen either, and no node dials one.
 - Healing: every ``reconnect_interval_s`` a node swaps tables with one member it holds dead (a
   tombstone, kept ``tombstone_s``): after a partition heals, the halves find each other again
   (the members declared dead learn it and start new lives), with no beacon or bootstrap.
@@ -44,7 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from p2p.address import AddressError, parse_endpoint
+from p2p.address import AddressError, parse_member_address
 from p2p.connections import CONNECT_GRACE_S
 from p2p.contacts import Contacts
 from p2p.member_table import Change, ConflictError, Member, MemberTable, Status, new_session, refuted
@@ -63,6 +68,7 @@ BEACON_CONTACTS_PER_S = 2.0  # beacons acted on per second, all senders together
 TABLES_PER_S = 20.0  # whole tables sent per second to members heard of second-hand
 MAX_FORWARDS = 64  # indirect probes this node runs for others at once
 MAX_EVENTS = 10_000  # membership events kept for the run report
+ROUTE_REFRESH_S = 10.0  # a node that does not listen renews its route at each member this often
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ class Membership:
             hear of others some other way, e.g. a LAN beacon).
     """
 
-    kinds = frozenset({"ping", "ack", "ping_req", "gossip", "sync", "sync_reply"})
+    kinds = frozenset({"ping", "ack", "ping_req", "gossip", "sync", "sync_reply", "route"})
 
     def __init__(
         self,
@@ -169,6 +175,7 @@ class Membership:
             ranks=tuple(ranks),
         )
         self._view: tuple[Member, ...] = ()
+        self._not_listening: frozenset[str] = frozenset()
         self._rng = random.Random()
         self._probe: _Probe | None = None
         self._probe_order: list[str] = []
@@ -186,12 +193,18 @@ class Membership:
         self._tables = Bucket(TABLES_PER_S, 2 * TABLES_PER_S, time.monotonic())
         self._log = QuietLog(log, per_s=10.0)
         self._next = {"probe": 0.0, "gossip": 0.0, "push_pull": 0.0, "reconnect": 0.0}
+        self._routes_renewed: dict[str, float] = {}  # (not listening) member id -> last route sent
 
     # -- any thread --------------------------------------------------------------------------
 
     def members(self, round: int | None = None) -> frozenset[str]:
         """Member ids, this node included: now, or in gossip ``round``."""
         return members_in_round(self._view, round)
+
+    @property
+    def not_listening(self) -> frozenset[str]:
+        """The members (gone ones still in the view included) that accept no connection."""
+        return self._not_listening
 
     @property
     def view(self) -> tuple[Member, ...]:
@@ -300,6 +313,8 @@ class Membership:
         if now >= self._next["reconnect"]:
             self._reconnect()
             self._next["reconnect"] = now + self.profile.reconnect_interval_s
+        if not self._me.reachable:
+            self._renew_routes(now)
         self._expire(now)
         wake = [*self._next.values(), now + 1.0, *self._suspicions.values()]
         wake += [t for t in (self._contacts.next_try(), self._outbox.next_due()) if t is not None]
@@ -319,14 +334,15 @@ class Membership:
         self._publish()
 
     def _push_pull(self) -> None:
-        live = self._table.live()
+        live = self._reachable_live()
         if live:
             self._send_table_to(self._rng.choice(live), "sync")
 
     def _reconnect(self) -> None:
         """Swap tables with a member held dead, over a fresh connection (the old one may be
-        stuck behind what was queued while the network was split)."""
-        dead = [m for m in self._table.members.values() if m.status == Status.DEAD]
+        stuck behind what was queued while the network was split); one that does not listen
+        reconnects itself."""
+        dead = [m for m in self._table.members.values() if m.status == Status.DEAD and m.reachable]
         if dead:
             member = self._rng.choice(dead)
             self._transport.disconnect(member.address)
@@ -347,6 +363,24 @@ class Membership:
         )
         self._send_to(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
 
+    def _can_reach(self, member: Member) -> bool:
+        """Whether this node can send to ``member``: one that does not listen (see the module
+        docstring) reaches only members that do."""
+        return member.reachable or self._me.reachable
+
+    def _reachable_live(self) -> list[Member]:
+        return [m for m in self._table.live() if self._can_reach(m)]
+
+    def _renew_routes(self, now: float) -> None:
+        """Keep a fresh route back to this node (it does not listen) at every member that listens."""
+        live = {m.id: m for m in self._table.live() if m.reachable}
+        for node_id in self._routes_renewed.keys() - live.keys():
+            del self._routes_renewed[node_id]
+        for node_id, member in live.items():
+            if now - self._routes_renewed.get(node_id, -math.inf) >= ROUTE_REFRESH_S:
+                self._routes_renewed[node_id] = now
+                self._send_to(member, "route", {})
+
     def _next_target(self, now: float) -> Member | None:
         """Round-robin over the live members in a random order, reshuffled every pass."""
         for _ in range(2):
@@ -354,7 +388,7 @@ class Membership:
                 member = self._table.members.get(self._probe_order.pop())
                 if member is not None and member.status.live and self._eligible_at.get(member.id, 0) <= now:
                     return member
-            self._probe_order = [m.id for m in self._table.live()]
+            self._probe_order = [m.id for m in self._reachable_live()]
             self._rng.shuffle(self._probe_order)
         return None
 
@@ -386,7 +420,12 @@ class Membership:
             self._probe = None
         elif not probe.indirect_sent and now >= probe.direct_deadline:
             probe.indirect_sent = True
-            helpers = [m for m in self._table.live() if m.id != probe.target]
+            # a member that does not listen is pinged only by members that do
+            helpers = [
+                m
+                for m in self._reachable_live()
+                if m.id != probe.target and (m.reachable or target.reachable)
+            ]
             for helper in self._rng.sample(helpers, min(self.profile.indirect_probes, len(helpers))):
                 self._send_to(helper, "ping_req", {"probe": probe.probe_id, "target": target.address})
         elif now >= probe.final_deadline:
@@ -408,8 +447,8 @@ class Membership:
         requester = self._reply_address(message, peer)
         if type(their_probe) is not int or requester is None:
             self._transport.reject(peer, "bad_membership", "ping_req without a probe")
-        elif target is None:  # not (or no longer) a live member here: pinging it is not our job
-            self._transport.stats.drop("ping_req_not_a_member")
+        elif target is None or not self._can_reach(target):  # not (or no longer) a live member
+            self._transport.stats.drop("ping_req_not_a_member")  # here, or not one we can reach
         elif len(self._forwards) >= MAX_FORWARDS:
             self._transport.stats.drop("ping_req_backlog")
         else:
@@ -509,7 +548,7 @@ class Membership:
         """Adopt a new record of ourselves and tell every member at once."""
         self._me = me
         self._publish()
-        for member in self._table.live():
+        for member in self._reachable_live():
             self._send_to(member, "gossip", {"updates": [me.to_wire()]})
         self._queue(me)
 
@@ -527,7 +566,7 @@ class Membership:
         return [member.to_wire() for _, (member, _) in chosen]
 
     def _gossip(self) -> None:
-        live = self._table.live()
+        live = self._reachable_live()
         if not self._broadcasts or not live:
             return
         for member in self._rng.sample(live, min(self.profile.gossip_fanout, len(live))):
@@ -536,6 +575,7 @@ class Membership:
     def _publish(self) -> None:
         """Refresh the view other threads read, and wake anyone waiting on a round."""
         self._view = (self._me, *self._table.members.values())
+        self._not_listening = frozenset(m.id for m in self._view if not m.reachable)
         self._transport.notify()
 
     def _expire(self, now: float) -> None:
@@ -553,7 +593,8 @@ class Membership:
     # -- sending ------------------------------------------------------------------------------
 
     def _send_to(self, member: Member, kind: str, meta: dict[str, Any]) -> None:
-        self._send(member.address, kind, meta, key=member.key or None, member=True)
+        if self._can_reach(member):
+            self._send(member.address, kind, meta, key=member.key or None, member=True)
 
     def _send(self, address: str, kind: str, meta: dict[str, Any], *, key: str | None, member: bool) -> None:
         """Send (once the connection is up). Every message carries our own record, so any
@@ -563,7 +604,8 @@ class Membership:
         self._outbox.send(time.monotonic(), address, kind, meta, key=key, member=member)
 
     def _send_table_to(self, member: Member, kind: str) -> None:
-        self._send_table(member.address, kind, key=member.key or None, member=True)
+        if self._can_reach(member):
+            self._send_table(member.address, kind, key=member.key or None, member=True)
 
     def _send_table(self, address: str, kind: str, *, key: str | None, member: bool) -> None:
         """Our whole table: ``kind`` (sync or sync_reply) with the first chunk, gossip with
@@ -574,7 +616,7 @@ class Membership:
 
     def _reply_address(self, message: Message, peer: str) -> str | None:
         try:
-            return parse_endpoint(str(message.meta.get("reply_to")))
+            return parse_member_address(str(message.meta.get("reply_to")), message.sender)
         except AddressError as exc:
             self._transport.reject(peer, "bad_membership", str(exc))
             return None

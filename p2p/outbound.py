@@ -7,7 +7,8 @@ message for a peer that a stream is being fed to goes after the stream, and a st
 the messages queued while its connection came up; under a cap, messages wait in one queue
 and streams pause between chunks, paused streams going first, in turn. Every queue is bounded
 (``MAX_QUEUED``, ``MAX_STREAMS_PER_PEER``): past it the oldest (or the newest, behind a stream)
-is dropped and counted.
+is dropped and counted. A stream to a node that does not listen goes over the ROUTER, which
+cannot be polled for one peer's room: it is retried every turn of the thread instead.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from p2p.connections import Connection, Connections, Target
+from p2p.connections import Connection, Connections, RouteClosedError, Target
 from p2p.pacing import SendPacer
+from p2p.polling import Poller
 
 if TYPE_CHECKING:
     from p2p.transport import TransportStats
@@ -43,7 +45,7 @@ class Outbound:
     def __init__(
         self,
         connections: Connections,
-        poller: zmq.Poller,
+        poller: Poller,
         stats: TransportStats,
         pacer: SendPacer | None,
         guarded: Callable[[str, Callable[[], None]], None],
@@ -54,10 +56,22 @@ class Outbound:
         self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
         self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
         self._paused: dict[Target, None] = {}  # streams waiting for the pacer, in turn
+        self._retry: dict[Target, None] = {}  # routed streams waiting for room, tried every turn
 
     @property
     def paced(self) -> bool:
         return self._pacer is not None
+
+    @property
+    def retrying(self) -> bool:
+        """Whether routed streams wait for room (then call :meth:`retry` soon)."""
+        return bool(self._retry)
+
+    def retry(self) -> None:
+        """Feed the routed streams that waited for room."""
+        for target in list(self._retry):
+            del self._retry[target]
+            self.feed(target)
 
     def due_ms(self) -> int | None:
         """When what waits for the pacer may go (None: nothing waits)."""
@@ -119,7 +133,10 @@ class Outbound:
             self._stats.drop("peer_key_unknown")
             return
         (target,) = targets
-        self._connections.get(target, verified=member)
+        if self._connections.get(target, verified=member) is None:
+            self._stats.drop("peer_unreachable_or_full")
+            self._unreachable(address)
+            return
         streams = self._streams.setdefault(target, deque())
         if len(streams) >= MAX_STREAMS_PER_PEER:
             streams.popleft()  # its receiver discards the unfinished stream when the next begins
@@ -129,7 +146,7 @@ class Outbound:
 
     def writable(self, events: dict[Any, int]) -> list[Target]:
         """The peers with streams whose sockets have room again."""
-        return [t for t in self._streams if self._socket_of(t) in events]
+        return [t for t in self._streams if events.get(self._socket_of(t), 0) & zmq.POLLOUT]
 
     def feed(self, target: Target) -> None:
         """Send the peer's waiting chunks while its socket takes them (and the cap allows);
@@ -139,22 +156,22 @@ class Outbound:
         if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
             self._streams.pop(target, None)
             return
-        dealer = connection.socket
         if connection.waiting:  # older messages wait for the connection: they go first
-            if dealer not in self._poller:
-                self._poller.register(dealer, zmq.POLLOUT)
+            self._wait_for_room(target, connection)
             return
         while streams:
             chunks = streams[0]
             if self._pacer is not None and self._pacer.wait_s() > 0:
                 self._paused[target] = None
-                self._unpoll(dealer)
+                self._unpoll(connection.socket)
                 return
             try:
-                dealer.send_multipart(chunks[0], flags=zmq.NOBLOCK, copy=False)
+                connection.send(chunks[0])
             except zmq.Again:
-                if dealer not in self._poller:
-                    self._poller.register(dealer, zmq.POLLOUT)
+                self._wait_for_room(target, connection)
+                return
+            except RouteClosedError:
+                self._connections.forget_route(target)  # (which drops its streams: see closed)
                 return
             connection.used = time.monotonic()
             self._count_sent(sum(_nbytes(f) for f in chunks.popleft()))
@@ -162,11 +179,18 @@ class Outbound:
                 streams.popleft()
                 self._stats.messages_sent += 1
         self._streams.pop(target, None)
-        self._unpoll(dealer)
+        self._unpoll(connection.socket)
+
+    def _wait_for_room(self, target: Target, connection: Connection) -> None:
+        if not connection.routed:
+            self._poller.want(connection.socket, zmq.POLLOUT)
+        else:
+            self._retry[target] = None
 
     def closed(self, target: Target, connection: Connection) -> None:
         """A connection is being closed: forget what it had left to send."""
         self._paused.pop(target, None)
+        self._retry.pop(target, None)
         if self._streams.pop(target, None):
             self._stats.drop("stream_connection_closed")
         self._unpoll(connection.socket)
@@ -181,8 +205,7 @@ class Outbound:
         return connection.socket if connection is not None else None
 
     def _unpoll(self, socket: zmq.Socket[bytes]) -> None:
-        if socket in self._poller:
-            self._poller.unregister(socket)
+        self._poller.unwant(socket, zmq.POLLOUT)
 
 
 def _nbytes(frame: Any) -> int:

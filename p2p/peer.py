@@ -26,14 +26,15 @@ class Peer(Endpoint):
     members to join through; none: start a mesh of one), those of
     :class:`~p2p.membership.Membership` (``profile``, ``clock``, ``first_round``), and
     ``beacon_port`` / ``mesh_name`` for discovery by LAN beacon (0: off), ``ranks`` (the data
-    addresses of this machine's local ranks 1, 2...: see ``p2p.local_rank``). ``curve``: keys for
-    CURVE on every socket (see ``p2p.security``); None runs insecure. ``max_send_bytes_per_s``:
-    a cap on what the node sends (``p2p.pacing``)."""
+    addresses of this machine's local ranks 1, 2...: see ``p2p.local_rank``). ``listen=None``:
+    a node that accepts no connection (see ``p2p.transport``); it joins through ``bootstrap``.
+    ``curve``: keys for CURVE on every socket (see ``p2p.security``); None runs insecure.
+    ``max_send_bytes_per_s``: a cap on what the node sends (``p2p.pacing``)."""
 
     def __init__(
         self,
         node_id: str,
-        listen: str,
+        listen: str | None,
         bootstrap: Iterable[str] = (),
         *,
         advertise: str | None = None,
@@ -61,6 +62,11 @@ class Peer(Endpoint):
                 max_send_bytes_per_s=max_send_bytes_per_s,
             )
         )
+        if listen is None and (beacon_port or not bootstrap):
+            raise TransportError(
+                "a node that does not listen can only join through --bootstrap (no member could "
+                "reach it from a beacon, and it cannot start a mesh)"
+            )
         self.bootstrap = list(bootstrap)
         self.membership = Membership(
             self.transport,
@@ -123,6 +129,9 @@ class Peer(Endpoint):
 
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.membership.members(round)
+
+    def not_listening(self) -> frozenset[str]:
+        return self.membership.not_listening
 
     def export_view(self) -> bytes:
         """This node's member view for its other local ranks (``p2p.local_rank``)."""

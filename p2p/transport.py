@@ -1,7 +1,9 @@
 """The transport: one network thread that owns every ZeroMQ socket of a node.
 
 A ROUTER socket receives from all peers; one DEALER per peer address and key sends
-(``p2p.connections``: bounded in number, closed when idle). Other threads never
+(``p2p.connections``: bounded in number, closed when idle). A node that does not listen
+(``listen=None``) has no ROUTER: it goes by ``inbound://ID``, reads what its peers send it on
+its DEALERs, and they send it over their ROUTERs along the route its messages came by. Other threads never
 touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload copy; under a
 send cap, on the network thread as the message leaves) and hands the frames to the network
 thread, which sends them without blocking (``p2p.outbound``: a full or unreachable peer drops
@@ -49,12 +51,13 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from p2p.address import advertised, bind_form, check_node_id, parse_endpoint
+from p2p.address import advertised, bind_form, check_node_id, inbound_address, parse_endpoint
 from p2p.connections import CONNECT_GRACE_S, HEARTBEAT_MS, Connection, Connections, Target, usable_at
 from p2p.identities import Identities
 from p2p.inbox import Inbox
 from p2p.outbound import Outbound
 from p2p.pacing import SendPacer
+from p2p.polling import Poller
 from p2p.ratelimit import QuietLog
 from p2p.rejections import Rejections
 from p2p.security import Authenticator, Curve, configure_server
@@ -141,7 +144,8 @@ class Transport:
         node_id: this node's id; stamped on every message and, with a random token after it
             (``NODE_ID/TOKEN``, see ``p2p.connections``), used as the DEALER routing id, so a
             receiver can reject a header that claims another sender.
-        listen: ``tcp://HOST:PORT`` to bind the ROUTER to (port 0 picks a free port).
+        listen: ``tcp://HOST:PORT`` to bind the ROUTER to (port 0 picks a free port); None:
+            accept no connection (behind a NAT or a firewall), see above.
         advertise: the address peers dial; default: the bound address, a wildcard host
             replaced by this host's address.
         inbox_kinds: message kinds delivered to :meth:`recv`; other kinds not claimed by a
@@ -160,7 +164,7 @@ class Transport:
     def __init__(
         self,
         node_id: str,
-        listen: str,
+        listen: str | None,
         *,
         advertise: str | None = None,
         inbox_kinds: Iterable[str] | None = None,
@@ -175,7 +179,9 @@ class Transport:
     ) -> None:
         self.node_id = check_node_id(node_id)
         self.curve = curve
-        self.listen = parse_endpoint(listen)
+        if listen is None and advertise:
+            raise TransportError("a node that does not listen has no address to advertise; drop --advertise")
+        self.listen = None if listen is None else parse_endpoint(listen)
         self.limits = limits
         self.stats = TransportStats()
         self.address = ""  # advertised endpoint, known after start()
@@ -195,7 +201,7 @@ class Transport:
         self.stopped = threading.Event()  # set when the network thread has ended, for any reason
         self._assembler = Assembler()
         self._identities = Identities()
-        self._poller = zmq.Poller()
+        self._poller = Poller()
         self._session = secrets.randbits(63)
         self._seq = itertools.count(1)
         self._send_order = threading.Lock()
@@ -215,6 +221,8 @@ class Transport:
             send_queue=send_queue,
             linger_ms=self._linger_ms,
             on_close=self._closed,
+            poller=self._poller,
+            receives=listen is None,
         )
         self._outbound = Outbound(
             self.connections,
@@ -359,26 +367,16 @@ class Transport:
             self.stopped.set()
 
     def _serve(self) -> None:
-        if self.curve is not None:
-            self._authenticator = Authenticator(self._context, self.curve.trusted)
-        router = self._context.socket(zmq.ROUTER)
-        if self.curve is not None:
-            configure_server(router, self.curve.keys)
-        largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
-        router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
-        router.setsockopt(zmq.LINGER, 0)
-        # an inbound connection that goes silent (a crashed host, a partition) is closed
-        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
-        try:
-            router.bind(bind_form(self.listen))
-            self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
-        except zmq.ZMQError as exc:
-            router.close()
-            self._startup_error = _bind_error(self.listen, exc)
-            return
+        router = None
+        if self.listen is None:
+            self.address = inbound_address(self.node_id)
+        else:
+            router = self._bind(self.listen)
+            if router is None:
+                return
+            self._poller.register(router, zmq.POLLIN)
+        self.connections.router = router
         poller = self._poller
-        poller.register(router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         for fd in self._readers:
             poller.register(fd, zmq.POLLIN)
@@ -389,20 +387,47 @@ class Transport:
                 self._turn(router)
             self._run_commands()  # last sends (e.g. a leave) before the sockets close
         finally:
-            router.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
             self.connections.close_all()
 
-    def _turn(self, router: zmq.Socket[bytes]) -> None:
+    def _bind(self, listen: str) -> zmq.Socket[bytes] | None:
+        """The ROUTER, bound, with this node's address set; None (and the startup error set)
+        when it cannot bind."""
+        if self.curve is not None:
+            self._authenticator = Authenticator(self._context, self.curve.trusted)
+        router = self._context.socket(zmq.ROUTER)
+        if self.curve is not None:
+            configure_server(router, self.curve.keys)
+        largest = min(self.limits.max_message_bytes, MAX_CHUNK_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send along a route that is gone fails
+        # an inbound connection that goes silent (a crashed host, a partition) is closed
+        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+        try:
+            router.bind(bind_form(listen))
+            self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError as exc:
+            router.close()
+            self._startup_error = _bind_error(listen, exc)
+            return None
+        return router
+
+    def _turn(self, router: zmq.Socket[bytes] | None) -> None:
         """One pass of the loop: wait for input or the next tick, then handle what is due."""
         due_ms = int((min(self._next_tick, self._next_housekeeping, self._stop_at) - time.monotonic()) * 1000)
-        if self.connections.waiting:  # messages wait for a connection to come up: look again soon
-            due_ms = min(due_ms, _FLUSH_MS)
+        if self.connections.waiting or self._outbound.retrying:  # (connections to come up, routes
+            due_ms = min(due_ms, _FLUSH_MS)  # to have room): look again soon
         paced_ms = self._outbound.due_ms()
         if paced_ms is not None:  # sends wait for the send cap
             due_ms = min(due_ms, paced_ms)
         events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
-        if router in events:
+        if router is not None and router in events:
             self._drain(router)
+        for target, connection in self.connections.readable(events):
+            self._drain_replies(target, connection)
         if self._wake_r in events:
             self._drain_wakeups()
         for fd, on_readable in self._readers.items():
@@ -411,6 +436,7 @@ class Transport:
         for target in self._outbound.writable(events):
             self._guarded("stream", lambda target=target: self._outbound.feed(target))  # type: ignore[misc]
         self._run_commands()
+        self._outbound.retry()
         self._outbound.release()
         for _ in range(self.connections.flush()):
             self.stats.drop("peer_unreachable_or_full")
@@ -452,6 +478,17 @@ class Transport:
             self.stats.bytes_received += sum(len(f) for f in frames[1:])
             self._accept(frames[0].bytes, frames[1:])
 
+    def _drain_replies(self, target: Target, connection: Connection) -> None:
+        """What a peer sent back on a connection this node opened (it does not listen): the
+        sender is who the header says, under the key this connection verified."""
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = connection.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.stats.bytes_received += sum(len(f) for f in frames)
+            self._accept(None, frames, key=target[1].decode())
+
     def reject(self, peer: str, reason: str, detail: str = "") -> None:
         """Count a message from ``peer`` that was rejected (network thread; services use it too)."""
         self.stats.rejections.reject(peer, reason, detail)
@@ -460,30 +497,40 @@ class Transport:
         """Who sent ``message``, as rejections count it (the sender's key when CURVE is on)."""
         return self._identities.name(message.key, message.sender)
 
-    def _accept(self, routing_id: bytes, frames: Sequence[zmq.Frame]) -> None:
-        """One received message, in its own error scope: whatever it raises is its rejection."""
-        claimed = routing_id.decode("ascii", errors="replace").partition("/")[0]
-        key = _user_id(frames[0]) if self.curve is not None and frames else ""
-        peer = self._identities.name(key, claimed)
+    def _accept(self, routing_id: bytes | None, frames: Sequence[zmq.Frame], key: str | None = None) -> None:
+        """One received message, in its own error scope: whatever it raises is its rejection.
+        ``routing_id``: the sender's connection to the ROUTER (None: a reply on a DEALER, from
+        the peer with ``key``)."""
+        claimed = (
+            None if routing_id is None else routing_id.decode("ascii", errors="replace").partition("/")[0]
+        )
+        if key is None:
+            key = _user_id(frames[0]) if self.curve is not None and frames else ""
+        peer = self._identities.name(key, claimed or "?")
         try:
             if self.stats.rejections.shunned(peer):
                 self.reject(peer, "shunned")
             else:
-                self._take(key, claimed, frames)
+                self._take(key, claimed, routing_id, frames)
         except WireError as exc:
             self.reject(peer, exc.reason, exc.detail)
         except Exception as exc:  # a bug, or an input no check foresaw: this message's end only
             self.reject(peer, "handler_error", f"{type(exc).__name__}: {shown(str(exc))}")
             self._errors.warning("accept", "a message from %s raised", peer, exc_info=True)
 
-    def _take(self, key: str, claimed: str, frames: Sequence[zmq.Frame]) -> None:
+    def _take(
+        self, key: str, claimed: str | None, routing_id: bytes | None, frames: Sequence[zmq.Frame]
+    ) -> None:
         decoded = decode(frames, self.limits)
         message = decoded.message if isinstance(decoded, Chunk) else decoded
-        if message.sender != claimed:
+        if claimed is not None and message.sender != claimed:
             raise WireError("sender_mismatch", f"header says {shown(message.sender)}")
+        claimed = message.sender
         last = self._identities.replayed(key, claimed, message.session, message.seq)
         if last is not None:
             raise WireError("replayed", f"seq {message.seq} <= {last}")
+        if routing_id is not None:
+            self.connections.note_route(claimed, key, routing_id)
         if isinstance(decoded, Chunk):
             assembled = self._assembler.add(decoded, key or claimed)
             if assembled is None:
@@ -504,8 +551,10 @@ class Transport:
     def ready_at(self, address: str, key: str | None = None, *, member: bool = False) -> float:
         """Open the connection(s) to ``address`` ahead of the first send, if not open; returns
         when they can be sent on (network thread only)."""
-        targets = self.connections.targets(address, key)
-        return max((usable_at(self.connections.get(t, verified=member)) for t in targets), default=0.0)
+        connections = [
+            self.connections.get(t, verified=member) for t in self.connections.targets(address, key)
+        ]
+        return max((usable_at(c) for c in connections if c is not None), default=0.0)
 
     def disconnect(self, address: str) -> None:
         """Close the connections to ``address``, dropping what is queued (network thread only)."""

@@ -157,3 +157,26 @@ def _send_mbps(timeline: list[dict[str, float]]) -> float:
     """A node's sending rate past the start (when it waits for all), Mbit/s."""
     start, end = timeline[len(timeline) // 4], timeline[-1]
     return (end["bytes_sent"] - start["bytes_sent"]) * 8 / (end["t"] - start["t"]) / 1e6
+
+
+def test_members_that_accept_no_connection_train_and_one_killed_is_detected_dead(tmp_path: Path) -> None:
+    """``gossipmesh mesh --hosts netns --no-listen``: nodes 2 and 3 listen on no port and their
+    hosts drop every inbound TCP connection (nftables, where installed); they join through
+    node 0, train with everyone (the ring of 4 would pair them: the graph pairs each with the
+    listening nodes instead), and node 3, killed, is declared dead by the other three."""
+    argv = ["mesh", "--hosts", "netns", "--nodes", "4", "--no-listen", "2", "--no-listen", "3"]
+    argv += ["--topology", "ring", "--duration", "14", "--kill", "3@7"]
+    assert main([*argv, "--run-dir", str(tmp_path)]) == 0  # (CURVE on: the launcher makes keys)
+    report = json.loads((tmp_path / "report.json").read_text())
+    links, nodes = report["links"], {n["id"]: n for n in report["nodes"]}
+    assert links["no_listen"] == ["node-2", "node-3"]
+    assert links["inbound_refused"] == netns.can_refuse_inbound()
+    assert nodes["node-3"]["status"] == "killed"
+    dead = {e["observer"] for e in report["membership_events"] if e["event"] == "dead"}
+    assert dead == {"node-0", "node-1", "node-2"}  # every survivor, node 2 (a dialer too) included
+    assert {e["node"] for e in report["membership_events"] if e["event"] == "dead"} == {"node-3"}
+    for node_id in ("node-0", "node-1", "node-2"):
+        node = nodes[node_id]
+        assert node["status"] == "finished"
+        assert node["final"]["accuracy"] >= 0.9, (node_id, node["final"])
+    print({n: nodes[n]["final"]["accuracy"] for n in nodes}, links)

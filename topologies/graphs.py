@@ -171,6 +171,30 @@ def from_file(n: int, path: str) -> nx.Graph:
     return _simple(graph)
 
 
+def pair_with_listeners(graph: nx.Graph, no_listen: frozenset[int]) -> nx.Graph:
+    """``graph`` with no edge between two ``no_listen`` vertices (members that accept no
+    connection cannot reach each other): each such edge u-v (or u->v) becomes u-l(v) and
+    l(u)-v, where l(x) is the listening vertex x mod (their count) picks, so degrees stay and
+    every vertex keeps a neighbour. A graph that was connected stays so: components left apart
+    are joined through their least listening vertices. With no listening vertex, the others
+    are left alone."""
+    listening = sorted(set(graph) - no_listen)
+    rewired = graph.copy()
+    for u, v in [(u, v) for u, v in graph.edges if u in no_listen and v in no_listen]:
+        rewired.remove_edge(u, v)
+        if listening:
+            rewired.add_edge(u, listening[v % len(listening)])
+            rewired.add_edge(listening[u % len(listening)], v)
+    connected = nx.is_weakly_connected if graph.is_directed() else nx.is_connected
+    if listening and connected(graph) and not connected(rewired):
+        parts = nx.weakly_connected_components if graph.is_directed() else nx.connected_components
+        anchors = sorted(min(set(part) - no_listen) for part in parts(rewired))
+        for u, v in itertools.pairwise(anchors):
+            rewired.add_edge(u, v)
+            rewired.add_edge(v, u)  # (the same edge when undirected)
+    return rewired
+
+
 def _simple(graph: nx.Graph) -> nx.Graph:
     """Drop self-loops and parallel edges (grids and rewiring can create them)."""
     simple = nx.DiGraph(graph) if graph.is_directed() else nx.Graph(graph)

@@ -58,35 +58,43 @@ def _positions(members: frozenset[str]) -> tuple[tuple[str, ...], Mapping[str, i
     return ordered, MappingProxyType({m: i for i, m in enumerate(ordered)})
 
 
-def mixing_row(topology: Topology, members: Iterable[str], me: str, round: int = 0) -> MixingRow:
+def mixing_row(
+    topology: Topology, members: Iterable[str], me: str, round: int = 0, no_listen: Iterable[str] = ()
+) -> MixingRow:
     """``me``'s row among ``members`` in ``round`` (from :data:`FALLBACK` where ``topology``
-    has no graph for this many members)."""
+    has no graph for this many members); ``no_listen``: members that accept no connection,
+    never paired with one another."""
     ordered, positions = _positions(frozenset(members))
     if me not in positions:
         raise ValueError(f"{me!r} is not among the members {list(ordered)}")
     n, i = len(ordered), positions[me]
+    hidden = frozenset(positions[m] for m in no_listen if m in positions)
     try:
         topology.graph(n, round)
     except TopologyError:
         topology = FALLBACK
-    self_weight, row = topology.row(n, i, round)
+    self_weight, row = topology.row(n, i, round, hidden)
     return MixingRow(
         self_weight=self_weight,
         receive_from={ordered[j]: w for j, w in row.items()},
-        send_to=tuple(ordered[j] for j in topology.sends_to(n, i, round)),
+        send_to=tuple(ordered[j] for j in topology.sends_to(n, i, round, hidden)),
         topology=topology,
     )
 
 
-def pair_partner(topology: Topology, members: Iterable[str], me: str, round: int = 0) -> str | None:
+def pair_partner(
+    topology: Topology, members: Iterable[str], me: str, round: int = 0, no_listen: Iterable[str] = ()
+) -> str | None:
     """The passive neighbour ``me`` exchanges with in ``round`` when it is active (asynchronous
-    pairwise gossip), or None when it is passive or has no passive neighbour."""
+    pairwise gossip), or None when it is passive or has no passive neighbour (``no_listen``:
+    as in :func:`mixing_row`)."""
     ordered, positions = _positions(frozenset(members))
     if me not in positions or len(ordered) < 2:
         return None
+    hidden = frozenset(positions[m] for m in no_listen if m in positions)
     try:
-        graph = topology.graph(len(ordered))
+        graph = topology.graph(len(ordered), 0, hidden)
     except TopologyError:
-        graph = FALLBACK.graph(len(ordered))
+        graph = FALLBACK.graph(len(ordered), 0, hidden)
     partner = pairwise_partner(graph, positions[me], round)
     return None if partner is None else ordered[partner]

@@ -98,22 +98,24 @@ class Topology(Spec, what="topology", choices=_CHOICES):
             return None
         return max(1, self.family.period(n)) if self.family.period else 1
 
-    def graph(self, n: int, round: int = 0) -> nx.Graph:
-        """The graph of ``round`` on ``n`` nodes (the same for every round when static)."""
+    def graph(self, n: int, round: int = 0, no_listen: frozenset[int] = frozenset()) -> nx.Graph:
+        """The graph of ``round`` on ``n`` nodes (the same for every round when static); with
+        ``no_listen`` (nodes that accept no connection), none of those two is an edge (see
+        :func:`~topologies.graphs.pair_with_listeners`)."""
         period = self.period(n)
-        return _graph(self, n, round % period if period else round)
+        return _graph(self, n, round % period if period else round, no_listen)
 
-    def row(self, n: int, i: int, round: int = 0) -> Row:
+    def row(self, n: int, i: int, round: int = 0, no_listen: frozenset[int] = frozenset()) -> Row:
         """Node i's mixing row in ``round``: (own weight, {sender: weight})."""
-        graph = self.graph(n, round)
+        graph = self.graph(n, round, no_listen)
         return push_sum(graph, i) if self.family.directed else self._scheme(graph, i)
 
-    def weights(self, n: int, round: int = 0) -> np.ndarray:
+    def weights(self, n: int, round: int = 0, no_listen: frozenset[int] = frozenset()) -> np.ndarray:
         """The full mixing matrix W of ``round`` (row i is node i's row)."""
-        return matrix(self.graph(n, round), push_sum if self.family.directed else self._scheme)
+        return matrix(self.graph(n, round, no_listen), push_sum if self.family.directed else self._scheme)
 
-    def sends_to(self, n: int, i: int, round: int = 0) -> list[int]:
-        graph = self.graph(n, round)
+    def sends_to(self, n: int, i: int, round: int = 0, no_listen: frozenset[int] = frozenset()) -> list[int]:
+        graph = self.graph(n, round, no_listen)
         return sorted(graph.successors(i) if self.family.directed else graph.neighbors(i))
 
     def _scheme(self, graph: nx.Graph, i: int) -> Row:
@@ -121,9 +123,11 @@ class Topology(Spec, what="topology", choices=_CHOICES):
 
 
 @lru_cache(maxsize=256)
-def _graph(topology: Topology, n: int, round: int) -> nx.Graph:
+def _graph(topology: Topology, n: int, round: int, no_listen: frozenset[int]) -> nx.Graph:
     if n < 1:
         raise TopologyError(f"a topology needs at least one node, got {n}")
+    if no_listen:
+        return nx.freeze(graphs.pair_with_listeners(_graph(topology, n, round, frozenset()), no_listen))
     params = {k: v for k, v in topology.params if k != "weights"}
     family = topology.family
     graph = family.build(n, round, **params) if family.time_varying else family.build(n, **params)

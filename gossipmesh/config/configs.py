@@ -161,6 +161,7 @@ class NodeConfig(TrainConfig):
     title: ClassVar[str] = "node"
 
     listen: str = o.LISTEN.field()
+    no_listen: bool = o.NO_LISTEN.field()
     advertise: str | None = o.ADVERTISE.field()
     bootstrap: tuple[str, ...] = o.BOOTSTRAP.field()
     id: str | None = o.ID.field()
@@ -194,6 +195,17 @@ class NodeConfig(TrainConfig):
                 "DIR, and put every node's public .key in the trusted folder), or --insecure to run "
                 "without encryption and authentication"
             )
+        if self.no_listen:
+            check(
+                bool(self.bootstrap),
+                "--no-listen",
+                "a node that accepts no connection joins through --bootstrap",
+            )
+            check(
+                not self.beacon, "--no-listen", "no member could dial a node found by --beacon: drop --beacon"
+            )
+            check(self.advertise is None, "--no-listen", "there is no address to --advertise")
+            check(self.local_ranks == 1, "--no-listen", "local ranks are dialed by the other machines' ranks")
 
 
 @dataclass(frozen=True)
@@ -218,6 +230,7 @@ class MeshConfig(TrainConfig):
     metrics_port: int | None = o.MESH_METRICS_PORT.field()
     hosts: str = o.HOSTS.field()
     link: tuple[Link, ...] = o.LINK.field()
+    no_listen: tuple[int, ...] = o.MESH_NO_LISTEN.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -250,6 +263,13 @@ class MeshConfig(TrainConfig):
                 cap.rank is None or cap.rank < total,
                 "--link",
                 f"'{cap}': rank {cap.rank} is not in 0..{total - 1}",
+            )
+
+        for rank in self.no_listen:
+            check(
+                rank < total,
+                "--no-listen",
+                f"rank {rank} is not in 1..{total - 1} (rank 0 is every node's bootstrap)",
             )
 
     def uplink_mbps(self, rank: int) -> float | None:

@@ -235,6 +235,10 @@ ADVERTISE = Option(
 BOOTSTRAP = _repeatable(
     values.endpoint, "address of another node (repeat the flag, or comma-separate)", "tcp://HOST:PORT"
 )
+NO_LISTEN = _switch(
+    "accept no connection (behind a NAT or a firewall): the node dials the members that listen and "
+    "is reached over those connections; the topology never pairs two such nodes (needs --bootstrap)"
+)
 ID = Option(values.node_id, "node id (default: HOSTNAME-PORT)")
 BEACON = Option(
     number(int, at_least=0, at_most=65535), "UDP port for LAN discovery beacons (0: off)", 0, metavar="PORT"
@@ -327,6 +331,12 @@ LINK = _repeatable(
     "MBPS limits every node's uplink, RANK:MBPS node RANK's (tc tbf; repeatable; needs --hosts netns). "
     "Latency cannot be emulated here (no netem): gossipmesh simulate models it",
     "[RANK:]MBPS",
+)
+MESH_NO_LISTEN = _repeatable(
+    number(int, at_least=1),
+    "node RANK runs with --no-listen (repeatable); with --hosts netns its host also drops inbound TCP "
+    "connections (an nftables rule, where nft is installed)",
+    "RANK",
 )
 RUN_DIR = Option(Path, "folder for the report and node logs (default: runs/mesh-TIMESTAMP)")
 PLOT = Option(str, "report plot: auto (REPORT.png beside the report), none, or a PNG path", "auto")

@@ -137,7 +137,8 @@ def join_running_mesh(
     failures: list[str] = []
     left_out: set[str] = set()  # sources that sent a bad state or went silent: asked last
     while time.monotonic() < deadline and not cancelled():
-        sources = member_order(peer.members(NOT_YET - 1) - {me})
+        hidden = peer.not_listening()  # (a node that does not listen reaches none of them)
+        sources = member_order(peer.members(NOT_YET - 1) - {me} - (hidden if me in hidden else set()))
         if not sources:
             return None
         random.Random(me).shuffle(sources)

@@ -44,7 +44,7 @@ def make_peer(
     ``ranks``: the data addresses of the machine's other local ranks."""
     return Peer(
         node_id,
-        config.listen,
+        None if config.no_listen else config.listen,
         config.bootstrap,
         advertise=config.advertise,
         inbox_kinds=MESSAGE_KINDS,

@@ -91,6 +91,7 @@ class Mesh:
             "--slowdown", str(self._slowdown.get(rank, 1.0)),
             "--threads", "1",
             *(["--bootstrap", bootstrap] if bootstrap else []),
+            *(["--no-listen"] if rank in self.config.no_listen else []),
             *as_flags(self.config),
             *(["--batch-size", str(self._batch[rank])] if rank in self._batch else []),
             *(["--metrics-port", str(self.config.metrics_port + rank)] if self.config.metrics_port else []),
@@ -240,6 +241,8 @@ def _hosts(config: MeshConfig) -> Iterator[list[netns.Host] | None]:
             mbps = config.uplink_mbps(rank)
             if mbps is not None:
                 netns.cap_bandwidth(host, f"{mbps:g}mbit")
+            if rank in config.no_listen and netns.can_refuse_inbound():
+                netns.refuse_inbound(host)
         yield hosts
 
 
@@ -250,6 +253,8 @@ def _links(config: MeshConfig, nodes: list[NodeProcess], wire: dict[str, int]) -
     links: dict[str, Any] = {
         "hosts": config.hosts,
         "uplink_mbps": {node.id: config.uplink_mbps(node.rank) for node in nodes},
+        "no_listen": [node.id for node in nodes if node.rank in config.no_listen],
+        "inbound_refused": config.hosts == "netns" and bool(config.no_listen) and netns.can_refuse_inbound(),
     }
     if wire:
         links["wire_bytes_sent"] = wire

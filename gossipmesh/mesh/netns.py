@@ -103,6 +103,29 @@ def cap_bandwidth(host: Host, rate: str, *, downlink: bool = False) -> None:
         "rate", rate, "burst", burst, "latency", "200ms")  # fmt: skip
 
 
+def can_refuse_inbound() -> bool:
+    """Whether :func:`refuse_inbound` can run here (it needs nft: apt-get install nftables)."""
+    return shutil.which("nft") is not None
+
+
+def refuse_inbound(host: Host) -> None:
+    """Drop every TCP connection attempt to ``host`` (a SYN without ACK), as a NAT or a
+    firewall does; what it dials itself still works."""
+    rules = """table inet gossipmesh {
+        chain inbound {
+            type filter hook input priority 0; policy accept;
+            tcp flags & (syn | ack) == syn drop
+        }
+    }"""
+    subprocess.run(
+        ["ip", "netns", "exec", host.namespace, "nft", "-f", "-"],
+        input=rules,
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+
+
 def enter(host: Host) -> None:
     """Move the calling process (a freshly forked daemon) into ``host``'s network namespace."""
     fd = os.open(f"/var/run/netns/{host.namespace}", os.O_RDONLY)

@@ -114,6 +114,9 @@ class MemoryPeer:
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.network.members(round)
 
+    def not_listening(self) -> frozenset[str]:
+        return frozenset()  # every node of an in-memory mesh reaches every other
+
     def start_at_round(self, first_round: int) -> None:
         self.network.start_at_round(self._node_id, first_round)
 

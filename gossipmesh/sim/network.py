@@ -147,6 +147,9 @@ class VirtualPeer:
     def members(self, round: int | None = None) -> frozenset[str]:
         return self.network.roster.members(round)
 
+    def not_listening(self) -> frozenset[str]:
+        return frozenset()  # every simulated node reaches every other
+
     def start_at_round(self, first_round: int) -> None:
         self.network.roster.start_at_round(self._node_id, first_round)
         self.network.notify_all()

@@ -1,0 +1,98 @@
+"""Members that accept no connection (``--no-listen``): reached over the connections they open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import addresses, wait_until
+from test_security import curve_for, make_keys
+
+from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, load
+from p2p import Peer, TransportError
+from p2p.member_table import Member, Status
+from p2p.wire import CHUNK_BYTES
+from topologies import Topology
+from topologies.membership import mixing_row
+
+
+def _record(peer: Peer, node_id: str) -> Member | None:
+    return next((m for m in peer.membership.view if m.id == node_id), None)
+
+
+def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp_path: Path) -> None:
+    """Two listening members and one that does not (CURVE on): all three see one another, both
+    listeners reach it (a message, and a stream of chunks larger than any single message)
+    along the routes its connections opened, it reaches both; killed, it is detected dead."""
+    trusted = make_keys(tmp_path, "a", "b", "c")
+    listen = addresses(2)
+    a = Peer("a", listen[0], curve=curve_for(tmp_path, "a", trusted))
+    b = Peer("b", listen[1], listen[:1], curve=curve_for(tmp_path, "b", trusted))
+    c = Peer("c", None, listen[:1], curve=curve_for(tmp_path, "c", trusted))
+    try:
+        for peer in (a, b, c):
+            peer.start()
+        for peer in (a, b, c):
+            peer.wait_ready(20, expect=3)
+        assert c.transport.address == "inbound://c"
+        assert wait_until(lambda: all(_record(p, "c") is not None for p in (a, b)), 10)
+        assert [_record(p, "c").reachable for p in (a, b)] == [False, False]  # type: ignore[union-attr]
+        big = np.arange(CHUNK_BYTES // 4 * 2 + 100, dtype=np.float32)  # three chunks
+        a.send("c", "params", 1, [np.ones(10, np.float32)])
+        b.send("c", "params", 2, [big])
+        got = {m.sender: m for m in (c.recv(20, {"params"}), c.recv(20, {"params"})) if m is not None}
+        assert sorted(got) == ["a", "b"]
+        np.testing.assert_array_equal(got["b"].tensors[0], big)
+        for peer in (a, b):
+            c.send(peer.node_id, "params", 3, [np.full(4, 7, np.float32)])
+            reply = peer.recv(20, {"params"})
+            assert reply is not None and reply.sender == "c"
+        assert c.stats.dropped["peer_unreachable_or_full"] == 0
+        c.transport.close()  # a crash: no leave
+        assert wait_until(lambda: _record(a, "c").status == Status.DEAD, 30)  # type: ignore[union-attr]
+        assert wait_until(lambda: _record(b, "c").status == Status.DEAD, 30)  # type: ignore[union-attr]
+        assert {m.id: m.status for m in a.membership.view} == {
+            "a": Status.ALIVE,
+            "b": Status.ALIVE,
+            "c": Status.DEAD,
+        }
+    finally:
+        for peer in (a, b, c):
+            peer.close()
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ({}, "joins through --bootstrap"),
+        ({"beacon": "7400"}, "drop --beacon"),
+        ({"advertise": "tcp://10.0.0.9:7000"}, "no address to --advertise"),
+        ({"local_ranks": "2"}, "local ranks are dialed"),
+    ],
+)
+def test_a_node_that_does_not_listen_needs_a_bootstrap_and_nothing_that_dials_it(
+    values: dict[str, str], problem: str
+) -> None:
+    bootstrap = {"bootstrap": ["tcp://10.0.0.1:7000"]} if values else {}
+    with pytest.raises(ConfigError, match=f"--no-listen: .*{problem}"):
+        load(NodeConfig, {"no_listen": "true", "insecure": "true", **bootstrap, **values})
+    with pytest.raises(ConfigError, match=r"--no-listen: rank 4 is not in 1\.\.3 \(rank 0 is every"):
+        load(MeshConfig, {"nodes": "4", "no_listen": ["4"]})
+    with pytest.raises(TransportError, match="only join through --bootstrap"):
+        Peer("c", None)
+
+
+def test_the_graph_pairs_members_that_do_not_listen_only_with_members_that_do() -> None:
+    """On a ring of 6 where 1, 2 and 3 do not listen, 1-2 and 2-3 are replaced by edges to
+    members that listen; weights still sum to 1 and every member still has a neighbour."""
+    members = [f"n{i}" for i in range(6)]
+    hidden = frozenset({"n1", "n2", "n3"})
+    rows = {m: mixing_row(Topology("ring"), members, m, 0, hidden) for m in members}
+    for me, row in rows.items():
+        assert row.receive_from, me
+        assert abs(row.self_weight + sum(row.receive_from.values()) - 1) < 1e-12
+        if me in hidden:
+            assert not set(row.receive_from) & hidden, (me, row.receive_from)
+        for other in row.receive_from:
+            assert me in rows[other].receive_from  # symmetric
