@@ -163,19 +163,23 @@ def test_members_that_accept_no_connection_train_and_one_killed_is_detected_dead
     """``gossipmesh mesh --hosts netns --no-listen``: nodes 2 and 3 listen on no port and their
     hosts drop every inbound TCP connection (nftables, where installed); they join through
     node 0, train with everyone (the ring of 4 would pair them: the graph pairs each with the
-    listening nodes instead), and node 3, killed, is declared dead by the other three."""
+    listening nodes instead), and node 3, killed, is declared dead by the other three. Node 4,
+    behind NAT too, joins the running mesh and takes its state from the listening members."""
     argv = ["mesh", "--hosts", "netns", "--nodes", "4", "--no-listen", "2", "--no-listen", "3"]
-    argv += ["--topology", "ring", "--duration", "14", "--kill", "3@7"]
+    argv += ["--topology", "ring", "--duration", "14", "--kill", "3@7", "--join", "1@4", "--no-listen", "4"]
     assert main([*argv, "--run-dir", str(tmp_path)]) == 0  # (CURVE on: the launcher makes keys)
     report = json.loads((tmp_path / "report.json").read_text())
     links, nodes = report["links"], {n["id"]: n for n in report["nodes"]}
-    assert links["no_listen"] == ["node-2", "node-3"]
+    assert links["no_listen"] == ["node-2", "node-3", "node-4"]
     assert links["inbound_refused"] == netns.can_refuse_inbound()
     assert nodes["node-3"]["status"] == "killed"
     dead = {e["observer"] for e in report["membership_events"] if e["event"] == "dead"}
-    assert dead == {"node-0", "node-1", "node-2"}  # every survivor, node 2 (a dialer too) included
+    assert dead == {"node-0", "node-1", "node-2", "node-4"}  # every survivor, dialers included
     assert {e["node"] for e in report["membership_events"] if e["event"] == "dead"} == {"node-3"}
-    for node_id in ("node-0", "node-1", "node-2"):
+    joiner = nodes["node-4"]
+    assert joiner["state_transfer"]["bytes"] > 0 and not joiner["state_transfer"]["dropped_sources"]
+    assert joiner["timeline"][0]["accuracy"] >= 0.8  # it starts from the mesh's model (fresh: ~0.1)
+    for node_id in ("node-0", "node-1", "node-2", "node-4"):
         node = nodes[node_id]
         assert node["status"] == "finished"
         assert node["final"]["accuracy"] >= 0.9, (node_id, node["final"])
