@@ -1,4 +1,10 @@
-"""Outgoing connections: one DEALER per (address, CURVE key), bounded in number and closed when idle.
+"""Outgoing connections: one DEALER per (address, CURVE key, lane), bounded in number and closed
+when idle. Lane 0 carries every message; with ``--streams K`` (K > 1) a stream of chunks to a
+peer goes over lanes 1..K instead, K connections that fill a long link where one TCP stream
+cannot. A lane queues only ``LANE_QUEUE`` chunks, and its chunks are handed to the lanes in turn
+(``p2p.outbound``): so no lane runs more than a few chunks ahead of the others, however unevenly
+the link shares itself among them, and the receiver never holds more than a stream or two of a
+sender unfinished.
 
 A connection is named by the address it dials *and* the key it expects there, so learning of
 another key for an address (from a beacon, from a member record) opens another connection and
@@ -53,9 +59,19 @@ HANDSHAKE_S = 2.0  # what is sent on a new connection waits this long for it to 
 MAX_WAITING = 32  # ...this many messages per connection
 MAX_WAITING_UNVERIFIED = 4  # ...and on a connection to an address not known as a member's
 HEARTBEAT_MS = 1000
+# How long a connection may hear nothing before it is closed. Not seconds: a DEALER hears its
+# peer only as PONGs, which answer its PINGs once they are read, behind the chunk being sent and
+# the kernel's send buffer (~12 MB: 10 s on a 10 Mbit/s link); and on a congested link one of
+# several TCP connections can stall for seconds in retransmission backoff. At 3 s, connections
+# were dropped mid-stream (and the stream with them) on links slower than ~30 Mbit/s, or with 4
+# connections sharing 100 Mbit/s. A crashed peer's connection closes at once anyway (its host
+# resets it), a silent one within this; membership's probes find dead members in seconds.
+HEARTBEAT_TIMEOUT_MS = 30_000
 MAX_ROUTES = MAX_CONNECTIONS  # routes back to senders that may not listen
 
-Target = tuple[str, bytes]  # (address, server key); the key is b"" without CURVE
+Target = tuple[str, bytes, int]  # (address, server key, lane); the key is b"" without CURVE
+MAX_LANES = 17  # lane 0, and up to 16 for streams
+LANE_QUEUE = 2  # chunks queued on a stream lane (ZMQ_SNDHWM)
 
 
 @dataclass
@@ -158,14 +174,14 @@ class Connections:
         known, one per trusted key (to an ``inbound://`` address, per key it was heard under);
         none for a key that is not trusted."""
         if self._curve is None:
-            return [(address, b"")]
+            return [(address, b"", 0)]
         node_id = inbound_id(address)
         if key is None and node_id is not None:
-            return [(address, k.encode()) for n, k in self._routes if n == node_id]
+            return [(address, k.encode(), 0) for n, k in self._routes if n == node_id]
         if key is None:
-            return [(address, k) for k in sorted(self._curve.trusted.current())]
+            return [(address, k, 0) for k in sorted(self._curve.trusted.current())]
         raw = key.encode()
-        return [(address, raw)] if self._curve.trusted.allows(raw) else []
+        return [(address, raw, 0)] if self._curve.trusted.allows(raw) else []
 
     def get(self, target: Target, *, verified: bool) -> Connection | None:
         """The connection to ``target``, dialed now if there is none (None: an ``inbound://``
@@ -293,16 +309,17 @@ class Connections:
                 self._evict(unverified[0])
         if len(self._open) >= self._max:
             self._evict(next(iter(self._open)))
-        address, key = target
+        address, key, lane = target
         socket = self._context.socket(zmq.DEALER)
         if self._curve is not None:
             configure_client(socket, self._curve.keys, key)
-        socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}".encode())
+        lane_suffix = f"/{lane}" if lane else ""  # (the receiver keeps each lane's seqs apart)
+        socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}{lane_suffix}".encode())
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
         # a connection that goes silent (a partition, a crashed host) is dropped and redialed
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
-        socket.setsockopt(zmq.SNDHWM, self._send_queue)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        socket.setsockopt(zmq.SNDHWM, LANE_QUEUE if lane else self._send_queue)
         socket.setsockopt(zmq.LINGER, self._linger_ms)
         try:
             socket.connect(address)

@@ -26,7 +26,7 @@ class Identities:
 
     def __init__(self, *, max_peers: int = MAX_PEERS) -> None:
         self._labels: OrderedDict[str, str] = OrderedDict()  # key -> the first id it was heard as
-        self._sequences: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        self._sequences: OrderedDict[tuple[str, str, int], tuple[int, int]] = OrderedDict()
         self._max_peers = max_peers
 
     def __len__(self) -> int:
@@ -40,11 +40,12 @@ class Identities:
         label = lru_entry(self._labels, key, lambda: claimed, self._max_peers)
         return f"{label} ({key})"
 
-    def replayed(self, key: str, claimed: str, session: int, seq: int) -> int | None:
-        """The newest seq taken from this sender's session if ``seq`` is not newer (a replay or
-        a reordering), else None, recording ``(session, seq)`` as the newest."""
-        last = lru_entry(self._sequences, (key, claimed), lambda: (-1, -1), self._max_peers)
+    def replayed(self, key: str, claimed: str, session: int, seq: int, lane: int = 0) -> int | None:
+        """The newest seq taken from this sender's session on this ``lane`` (one of its
+        connections, see ``p2p.connections``: each is in order, not all together) if ``seq`` is
+        not newer (a replay or a reordering), else None, recording ``(session, seq)`` as the newest."""
+        last = lru_entry(self._sequences, (key, claimed, lane), lambda: (-1, -1), self._max_peers)
         if last[0] == session and seq <= last[1]:
             return last[1]
-        self._sequences[(key, claimed)] = (session, seq)
+        self._sequences[(key, claimed, lane)] = (session, seq)
         return None

@@ -65,6 +65,7 @@ class LocalRankPeer(Endpoint):
         linger_s: float = 1.0,
         curve: Curve | None = None,
         max_send_bytes_per_s: float | None = None,
+        streams: int = 1,
     ) -> None:
         if not 1 <= rank < MAX_LOCAL_RANKS:
             raise ValueError(f"a LocalRankPeer is local rank 1..{MAX_LOCAL_RANKS - 1}, got {rank}")
@@ -78,6 +79,7 @@ class LocalRankPeer(Endpoint):
                 linger_s=linger_s,
                 curve=curve,
                 max_send_bytes_per_s=max_send_bytes_per_s,
+                streams=streams,
             )
         )
         self.transport.screen = self._screen

@@ -17,6 +17,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -50,10 +51,11 @@ class Outbound:
         pacer: SendPacer | None,
         guarded: Callable[[str, Callable[[], None]], None],
         unreachable: Callable[[str], None],
+        lanes: int = 1,
     ) -> None:
         self._connections, self._poller, self._stats, self._pacer = connections, poller, stats, pacer
-        self._guarded, self._unreachable = guarded, unreachable
-        self._streams: dict[Target, deque[deque[list[Any]]]] = {}  # streams left to send
+        self._guarded, self._unreachable, self._lanes = guarded, unreachable, lanes
+        self._streams: dict[Target, deque[_Queued]] = {}  # per peer: a stream and what waits behind
         self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
         self._paused: dict[Target, None] = {}  # streams waiting for the pacer, in turn
         self._retry: dict[Target, None] = {}  # routed streams waiting for room, tried every turn
@@ -111,7 +113,7 @@ class Outbound:
             if len(self._streams[target]) >= MAX_QUEUED:
                 self._stats.drop("peer_unreachable_or_full")
                 continue
-            self._streams[target].append(deque([frames]))
+            self._streams[target].append(_Queued(deque([(0, frames)]), stream=False))
         targets = [t for t in targets if t not in self._streams]
         if behind_a_stream and not targets:
             return
@@ -133,40 +135,51 @@ class Outbound:
             self._stats.drop("peer_key_unknown")
             return
         (target,) = targets
-        if self._connections.get(target, verified=member) is None:
+        connection = self._connections.get(target, verified=member)
+        if connection is None:
             self._stats.drop("peer_unreachable_or_full")
             self._unreachable(address)
             return
-        streams = self._streams.setdefault(target, deque())
-        if len(streams) >= MAX_STREAMS_PER_PEER:
-            streams.popleft()  # its receiver discards the unfinished stream when the next begins
+        lanes = [0] if connection.routed or self._lanes == 1 else list(range(1, self._lanes + 1))
+        for lane in lanes:
+            self._connections.get(_lane(target, lane), verified=member)
+        queued = self._streams.setdefault(target, deque())
+        if sum(q.stream for q in queued) >= MAX_STREAMS_PER_PEER:
+            queued.remove(next(q for q in queued if q.stream))  # its receiver drops what it had of it
             self._stats.drop("stream_backlog")
-        streams.append(deque(chunks))
+        queued.append(_Queued(deque((lanes[i % len(lanes)], chunk) for i, chunk in enumerate(chunks))))
         self.feed(target)
 
     def writable(self, events: dict[Any, int]) -> list[Target]:
-        """The peers with streams whose sockets have room again."""
-        return [t for t in self._streams if events.get(self._socket_of(t), 0) & zmq.POLLOUT]
+        """The peers with streams whose sockets (the lane of their next chunk) have room again."""
+        return [
+            t
+            for t, queued in self._streams.items()
+            if events.get(self._socket_of(_lane(t, queued[0].chunks[0][0])), 0) & zmq.POLLOUT
+        ]
 
     def feed(self, target: Target) -> None:
-        """Send the peer's waiting chunks while its socket takes them (and the cap allows);
-        then wait for room (or for the pacer)."""
-        streams = self._streams.get(target)
-        connection = self._connections.find(target)
-        if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
-            self._streams.pop(target, None)
+        """Send the peer's waiting chunks, each on its lane, in order, while the lanes take them
+        (and the cap allows); then wait for room on the lane (or for the pacer)."""
+        queued = self._streams.get(target)
+        first = self._connections.find(target)
+        if first is not None and first.waiting:  # older messages wait for the connection: first
+            self._wait_for_room(target, first)
             return
-        if connection.waiting:  # older messages wait for the connection: they go first
-            self._wait_for_room(target, connection)
-            return
-        while streams:
-            chunks = streams[0]
+        while queued:
+            chunks = queued[0].chunks
+            lane, frames = chunks[0]
+            connection = self._connections.find(_lane(target, lane))
+            if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
+                self._streams.pop(target, None)
+                self._stats.drop("stream_connection_closed")
+                return
             if self._pacer is not None and self._pacer.wait_s() > 0:
                 self._paused[target] = None
-                self._unpoll(connection.socket)
+                self._unpoll(target)
                 return
             try:
-                connection.send(chunks[0])
+                connection.send(frames)
             except zmq.Again:
                 self._wait_for_room(target, connection)
                 return
@@ -174,26 +187,29 @@ class Outbound:
                 self._connections.forget_route(target)  # (which drops its streams: see closed)
                 return
             connection.used = time.monotonic()
-            self._count_sent(sum(_nbytes(f) for f in chunks.popleft()))
+            chunks.popleft()
+            self._count_sent(sum(_nbytes(f) for f in frames))
             if not chunks:
-                streams.popleft()
+                queued.popleft()
                 self._stats.messages_sent += 1
         self._streams.pop(target, None)
-        self._unpoll(connection.socket)
+        self._unpoll(target)
 
     def _wait_for_room(self, target: Target, connection: Connection) -> None:
+        self._unpoll(target)
         if not connection.routed:
             self._poller.want(connection.socket, zmq.POLLOUT)
         else:
             self._retry[target] = None
 
     def closed(self, target: Target, connection: Connection) -> None:
-        """A connection is being closed: forget what it had left to send."""
-        self._paused.pop(target, None)
-        self._retry.pop(target, None)
-        if self._streams.pop(target, None):
+        """A connection (of any lane) is being closed: forget what its peer had left to send."""
+        first = _lane(target, 0)
+        self._paused.pop(first, None)
+        self._retry.pop(first, None)
+        if self._streams.pop(first, None):
             self._stats.drop("stream_connection_closed")
-        self._unpoll(connection.socket)
+        self._unpoll(first)
 
     def _count_sent(self, nbytes: int) -> None:
         self._stats.bytes_sent += nbytes
@@ -204,8 +220,24 @@ class Outbound:
         connection = self._connections.find(target)
         return connection.socket if connection is not None else None
 
-    def _unpoll(self, socket: zmq.Socket[bytes]) -> None:
-        self._poller.unwant(socket, zmq.POLLOUT)
+    def _unpoll(self, target: Target) -> None:
+        """Stop waiting for room on any lane to ``target``'s peer."""
+        for lane in range(self._lanes + 1):
+            socket = self._socket_of(_lane(target, lane))
+            if socket is not None:
+                self._poller.unwant(socket, zmq.POLLOUT)
+
+
+@dataclass
+class _Queued:
+    """A stream to a peer, or a message waiting behind one: its (lane, chunk frames) left."""
+
+    chunks: deque[tuple[int, list[Any]]]
+    stream: bool = True  # (counted against MAX_STREAMS_PER_PEER)
+
+
+def _lane(target: Target, lane: int) -> Target:
+    return target[0], target[1], lane
 
 
 def _nbytes(frame: Any) -> int:

@@ -29,7 +29,8 @@ class Peer(Endpoint):
     addresses of this machine's local ranks 1, 2...: see ``p2p.local_rank``). ``listen=None``:
     a node that accepts no connection (see ``p2p.transport``); it joins through ``bootstrap``.
     ``curve``: keys for CURVE on every socket (see ``p2p.security``); None runs insecure.
-    ``max_send_bytes_per_s``: a cap on what the node sends (``p2p.pacing``)."""
+    ``max_send_bytes_per_s``: a cap on what the node sends (``p2p.pacing``). ``streams``: the
+    connections a large message to a peer is spread over (``p2p.connections``)."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class Peer(Endpoint):
         curve: Curve | None = None,
         max_send_bytes_per_s: float | None = None,
         ranks: Sequence[str] = (),
+        streams: int = 1,
     ) -> None:
         super().__init__(
             Transport(
@@ -60,6 +62,7 @@ class Peer(Endpoint):
                 linger_s=linger_s,
                 curve=curve,
                 max_send_bytes_per_s=max_send_bytes_per_s,
+                streams=streams,
             )
         )
         if listen is None and (beacon_port or not bootstrap):

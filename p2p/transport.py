@@ -52,7 +52,16 @@ import numpy as np
 import zmq
 
 from p2p.address import advertised, bind_form, check_node_id, inbound_address, parse_endpoint
-from p2p.connections import CONNECT_GRACE_S, HEARTBEAT_MS, Connection, Connections, Target, usable_at
+from p2p.connections import (
+    CONNECT_GRACE_S,
+    HEARTBEAT_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    MAX_LANES,
+    Connection,
+    Connections,
+    Target,
+    usable_at,
+)
 from p2p.identities import Identities
 from p2p.inbox import Inbox
 from p2p.outbound import Outbound
@@ -158,6 +167,7 @@ class Transport:
         linger_s: how long :meth:`close` lets queued messages drain.
         curve: this node's keys and the trusted keys; None runs without CURVE (insecure).
         chunk_bytes: payloads larger than this go as a stream of chunks of this size.
+        streams: connections a stream to a peer is spread over (``p2p.connections``' lanes).
         max_send_bytes_per_s: a cap on what this node sends (``p2p.pacing``); None: none.
     """
 
@@ -176,8 +186,11 @@ class Transport:
         curve: Curve | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         max_send_bytes_per_s: float | None = None,
+        streams: int = 1,
     ) -> None:
         self.node_id = check_node_id(node_id)
+        if not 1 <= streams < MAX_LANES:
+            raise TransportError(f"streams must be in 1..{MAX_LANES - 1}, got {streams}")
         self.curve = curve
         if listen is None and advertise:
             raise TransportError("a node that does not listen has no address to advertise; drop --advertise")
@@ -231,6 +244,7 @@ class Transport:
             SendPacer(max_send_bytes_per_s) if max_send_bytes_per_s else None,
             self._guarded,
             lambda address: self.on_unreachable(address) if self.on_unreachable is not None else None,
+            lanes=streams,
         )
         self._authenticator: Authenticator | None = None
         self._errors = QuietLog(log)
@@ -405,7 +419,7 @@ class Transport:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send along a route that is gone fails
         # an inbound connection that goes silent (a crashed host, a partition) is closed
         router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         try:
             router.bind(bind_form(listen))
             self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -501,9 +515,7 @@ class Transport:
         """One received message, in its own error scope: whatever it raises is its rejection.
         ``routing_id``: the sender's connection to the ROUTER (None: a reply on a DEALER, from
         the peer with ``key``)."""
-        claimed = (
-            None if routing_id is None else routing_id.decode("ascii", errors="replace").partition("/")[0]
-        )
+        claimed, lane = (None, "") if routing_id is None else _claimed(routing_id)
         if key is None:
             key = _user_id(frames[0]) if self.curve is not None and frames else ""
         peer = self._identities.name(key, claimed or "?")
@@ -511,7 +523,7 @@ class Transport:
             if self.stats.rejections.shunned(peer):
                 self.reject(peer, "shunned")
             else:
-                self._take(key, claimed, routing_id, frames)
+                self._take(key, claimed, lane, routing_id, frames)
         except WireError as exc:
             self.reject(peer, exc.reason, exc.detail)
         except Exception as exc:  # a bug, or an input no check foresaw: this message's end only
@@ -519,17 +531,25 @@ class Transport:
             self._errors.warning("accept", "a message from %s raised", peer, exc_info=True)
 
     def _take(
-        self, key: str, claimed: str | None, routing_id: bytes | None, frames: Sequence[zmq.Frame]
+        self,
+        key: str,
+        claimed: str | None,
+        lane_text: str,
+        routing_id: bytes | None,
+        frames: Sequence[zmq.Frame],
     ) -> None:
+        lane = int(lane_text) if lane_text.isdigit() and len(lane_text) <= 2 else -1 if lane_text else 0
+        if not 0 <= lane < MAX_LANES:
+            raise WireError("bad_lane", f"lane {shown(lane_text)} of a connection (0..{MAX_LANES - 1})")
         decoded = decode(frames, self.limits)
         message = decoded.message if isinstance(decoded, Chunk) else decoded
         if claimed is not None and message.sender != claimed:
             raise WireError("sender_mismatch", f"header says {shown(message.sender)}")
         claimed = message.sender
-        last = self._identities.replayed(key, claimed, message.session, message.seq)
+        last = self._identities.replayed(key, claimed, message.session, message.seq, lane)
         if last is not None:
             raise WireError("replayed", f"seq {message.seq} <= {last}")
-        if routing_id is not None:
+        if routing_id is not None and lane == 0:
             self.connections.note_route(claimed, key, routing_id)
         if isinstance(decoded, Chunk):
             assembled = self._assembler.add(decoded, key or claimed)
@@ -596,6 +616,12 @@ class Transport:
         self._context.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def _claimed(routing_id: bytes) -> tuple[str, str]:
+    """The id a connection's routing id (``NODE_ID/TOKEN[/LANE]``) claims, and its lane ("")."""
+    claimed, _, rest = routing_id.decode("ascii", errors="replace").partition("/")
+    return claimed, rest.partition("/")[2]
 
 
 def _user_id(frame: zmq.Frame) -> str:

@@ -10,7 +10,7 @@ from helpers import addresses, wait_until
 from test_security import curve_for, make_keys
 
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, load
-from p2p import Peer, TransportError
+from p2p import Peer, Transport, TransportError
 from p2p.member_table import Member, Status
 from p2p.wire import CHUNK_BYTES
 from topologies import Topology
@@ -60,6 +60,38 @@ def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp
     finally:
         for peer in (a, b, c):
             peer.close()
+
+
+def test_a_trusted_key_claiming_the_id_of_a_member_behind_nat_does_not_get_its_messages(
+    tmp_path: Path,
+) -> None:
+    """Routes are kept per id *and* key: an insider that speaks as "c" under its own key gets a
+    route of its own, which a message to the member c (sent with c's key) never takes."""
+    trusted = make_keys(tmp_path, "a", "c", "m")
+    listen = addresses(1)
+    a = Peer("a", listen[0], curve=curve_for(tmp_path, "a", trusted))
+    c = Peer("c", None, listen, curve=curve_for(tmp_path, "c", trusted))
+    insider = Transport("c", None, curve=curve_for(tmp_path, "m", trusted), inbox_kinds={"params"})
+    try:
+        for endpoint in (a, c, insider):
+            endpoint.start()
+        for peer in (a, c):
+            peer.wait_ready(20, expect=2)
+        for _ in range(3):  # the insider is heard last, its route the freshest
+            insider.send(listen[0], "params", 0, [np.zeros(2, np.float32)], key=_public(a), member=True)
+        assert wait_until(lambda: a.stats.rejected["key_mismatch"] >= 3, 10)  # (c's record has c's key)
+        a.send("c", "params", 9, [np.ones(2, np.float32)])
+        got = c.recv(10, {"params"})
+        assert got is not None and (got.sender, got.round) == ("a", 9)
+        assert insider.recv(1.0) is None
+    finally:
+        for endpoint in (a, c, insider):
+            endpoint.close()
+
+
+def _public(peer: Peer) -> str:
+    assert peer.transport.curve is not None
+    return peer.transport.curve.keys.public.decode()
 
 
 @pytest.mark.parametrize(

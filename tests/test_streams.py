@@ -3,28 +3,32 @@ larger than any one socket message, and the receiver's memory during it."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-from helpers import addresses, peak_memory
+from helpers import addresses, peak_memory, raw_dealer, started_transport, wait_until
 
 from p2p import Transport
-from p2p.stream import Assembler
-from p2p.wire import MAX_CHUNK_BYTES, Chunk, Limits, Message, WireError, decode, encode_chunks
+from p2p.outbound import MAX_STREAMS_PER_PEER
+from p2p.stream import MAX_STREAMS_PER_SENDER, Assembler
+from p2p.wire import MAX_CHUNK_BYTES, Chunk, Limits, Message, WireError, decode, encode, encode_chunks
 
 
-def stream(tensors: list[np.ndarray], chunk_bytes: int, **fields: Any) -> list[Chunk]:
+def stream(tensors: list[np.ndarray], chunk_bytes: int, first_seq: int = 1, **fields: Any) -> list[Chunk]:
     messages = encode_chunks(
         kind="params",
         sender="a",
         round=3,
         tensors=tensors,
-        seqs=itertools.count(1),
+        seqs=itertools.count(first_seq),
         chunk_bytes=chunk_bytes,
         **fields,
     )
@@ -62,19 +66,53 @@ def test_chunk_frames_are_the_tensors_own_memory() -> None:
     assert np.frombuffer(messages[0][1], dtype=np.float32)[0] == 42.0
 
 
-def test_a_missing_chunk_discards_the_stream_and_a_new_one_replaces_it() -> None:
+def test_chunks_reassemble_in_any_order_and_two_streams_of_one_sender_interleave() -> None:
+    """A sender with several connections (``--streams``) spreads each stream's chunks over
+    them: they come in any order, and the next stream's before the last of this one."""
     vector = np.arange(3000, dtype=np.float32)
-    first, second = stream([vector], 4000), stream([vector * 2], 4000)
+    first, second = stream([vector], 1000), stream([vector * 2], 1000, first_seq=100)
+    order = np.random.default_rng(0).permutation(len(first) + len(second))
     assembler = Assembler()
-    assert assembler.add(first[0]) is None
-    with pytest.raises(WireError) as error:
-        assembler.add(first[2])  # chunk 1 was lost
-    assert error.value.reason == "chunk_sequence" and assembler.in_progress == 0
-    assert assembler.add(first[0]) is None
-    for chunk in second[:-1]:  # a new stream replaces the unfinished one
-        assert assembler.add(chunk) is None
-    message = assembler.add(second[-1])
-    assert message is not None and np.array_equal(message.tensors[0], vector * 2)
+    done = [m for i in order if (m := assembler.add([*first, *second][i])) is not None]
+    assert sorted(float(m.tensors[0][1]) for m in done) == [1.0, 2.0]
+    assert np.array_equal(done[0].tensors[0], vector * done[0].tensors[0][1])
+    assert assembler.in_progress == 0
+
+
+def _moved(chunk: Chunk, offset: int) -> Chunk:
+    return dataclasses.replace(chunk, offset=offset)
+
+
+def test_chunks_that_do_not_tile_the_payload_are_refused_and_their_stream_dropped() -> None:
+    """No byte of a message is ever left unwritten: a chunk twice, or one off its place (an
+    overlap that would leave a gap), fails the stream; its late chunks are ignored."""
+    vector = np.arange(3000, dtype=np.float32)  # 12,000 bytes: chunks of 4,000
+    chunks = stream([vector], 4000)
+    for sent in (
+        [chunks[0], chunks[0]],
+        [chunks[0], _moved(chunks[1], 3996)],
+        [_moved(chunks[2], 7996)],  # the last chunk, 4 bytes early: chunks of 3,998 cannot tile 12,000
+    ):
+        assembler = Assembler()
+        for chunk in sent[:-1]:
+            assert assembler.add(chunk) is None
+        with pytest.raises(WireError) as error:
+            assembler.add(sent[-1])
+        assert error.value.reason == "chunk_sequence" and assembler.in_progress == 0
+        assert assembler.add(chunks[1]) is None and assembler.in_progress == 0  # (late: ignored)
+
+
+def test_a_senders_oldest_unfinished_streams_are_dropped_beyond_its_cap() -> None:
+    vector = np.arange(3000, dtype=np.float32)
+    streams = [stream([vector], 4000, first_seq=10 * i) for i in range(MAX_STREAMS_PER_SENDER + 1)]
+    assembler = Assembler()
+    for chunks in streams:
+        assert assembler.add(chunks[0]) is None
+    assert assembler.in_progress == MAX_STREAMS_PER_SENDER
+    assert all(assembler.add(chunk) is None for chunk in streams[0][1:])  # dropped: ignored
+    assert assembler.in_progress == MAX_STREAMS_PER_SENDER
+    *_, done = [assembler.add(chunk) for chunk in streams[-1][1:]]
+    assert done is not None and np.array_equal(done.tensors[0], vector)
 
 
 def test_malformed_chunk_headers_are_refused() -> None:
@@ -107,17 +145,30 @@ def test_malformed_chunk_headers_are_refused() -> None:
         )
 
 
-def test_a_delta_larger_than_any_socket_message_arrives_whole_between_small_messages() -> None:
+@contextmanager
+def connected(
+    sender_options: dict[str, Any], receiver_options: dict[str, Any]
+) -> Iterator[tuple[Transport, Transport]]:
+    """A sender and a receiver ("a" and "b" on 127.0.0.1), once a message has gone between them."""
     sender_address, receiver_address = addresses(2)
-    big = np.random.default_rng(1).standard_normal(10_000_000).astype(np.float32)  # 40 MB: 5 chunks
-    receiver = Transport("b", receiver_address, inbox_kinds={"params", "note"}, limits=Limits(big.nbytes))
-    sender = Transport("a", sender_address)
+    receiver = Transport("b", receiver_address, inbox_kinds={"params", "note"}, **receiver_options)
+    sender = Transport("a", sender_address, **sender_options)
     receiver.start()
     sender.start()
     try:
         deadline = time.monotonic() + 10
         while receiver.recv(0.05) is None and time.monotonic() < deadline:
             sender.send(receiver_address, "note", 0)  # until the connection is up
+        yield sender, receiver
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_delta_larger_than_any_socket_message_arrives_whole_between_small_messages() -> None:
+    big = np.random.default_rng(1).standard_normal(10_000_000).astype(np.float32)  # 40 MB: 5 chunks
+    with connected({}, {"limits": Limits(big.nbytes)}) as (sender, receiver):
+        receiver_address = receiver.address
         sender.send(receiver_address, "params", 1, [big])
         sender.send(receiver_address, "note", 2)
         got = [receiver.recv(10), receiver.recv(10)]
@@ -125,9 +176,6 @@ def test_a_delta_larger_than_any_socket_message_arrives_whole_between_small_mess
         message = next(m for m in got if m is not None and m.kind == "params")
         assert np.array_equal(message.tensors[0], big)
         assert sender.stats.bytes_sent >= big.nbytes and receiver.stats.rejected == {}
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def receive_and_measure(address: str, nbytes: int, control: Connection) -> None:
@@ -161,3 +209,50 @@ def test_receiving_a_large_delta_takes_less_than_twice_its_size_in_memory(spawn)
     finally:
         sender.close()
         child.join(10)
+
+
+def test_streams_spread_over_several_connections_arrive_whole_and_in_turn() -> None:
+    """``streams=4``: each large message's chunks go over 4 connections to the peer, in turn;
+    the receiver takes them in any order, keeps each connection's seqs apart (none looks
+    replayed) and yields every message whole."""
+    vectors = [
+        np.random.default_rng(i).standard_normal(300_000).astype(np.float32)
+        for i in range(MAX_STREAMS_PER_PEER)
+    ]
+    small = {"chunk_bytes": 1 << 16}
+    with connected({**small, "streams": 4}, {**small, "limits": Limits(vectors[0].nbytes)}) as (
+        sender,
+        receiver,
+    ):
+        receiver_address = receiver.address
+        sender.send(receiver_address, "params", 99, [vectors[0]])  # (the 4 stream connections come
+        first = receiver.recv(10, {"params"})  # up: meanwhile their chunks wait, as on any new one)
+        assert first is not None and np.array_equal(first.tensors[0], vectors[0])
+        for round, vector in enumerate(vectors):  # 19 chunks each, 5 or 4 a connection
+            sender.send(receiver_address, "params", round, [vector])
+            sender.send(receiver_address, "note", round)
+        got = [receiver.recv(10, {"params"}) for _ in vectors]
+        assert [m.round for m in got if m is not None] == list(range(len(vectors)))
+        for message, vector in zip(got, vectors, strict=True):
+            assert message is not None and np.array_equal(message.tensors[0], vector)
+        assert len(sender.connections) == 5 and receiver.stats.rejected == {}
+        assert sender.stats.messages_sent >= 2 * len(vectors)
+
+
+def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_refused() -> None:
+    """A sender's lanes (``NODE/TOKEN/LANE`` routing ids) each take increasing seqs, apart from
+    the others'; a replay within a lane is refused, and so is a lane beyond 0..16."""
+    with started_transport("rx", inbox_kinds={"note"}) as receiver:
+        cases = [(b"x/t0", 5), (b"x/t1/3", 5), (b"x/t1/3", 5), (b"x/t2/17", 6), (b"x/t3/ab", 7)]
+        for sent, (routing_id, seq) in enumerate(cases, start=1):
+            with raw_dealer(routing_id, receiver.address) as dealer:
+                time.sleep(0.05)  # (the raw socket has no handshake wait)
+                dealer.send_multipart(encode(kind="note", sender="x", round=0, session=1, seq=seq))
+                assert wait_until(lambda n=sent: _taken(receiver) >= n, 5)
+        assert receiver.stats.messages_received == 2
+        assert receiver.stats.rejected == {"replayed": 1, "bad_lane": 2}
+
+
+def _taken(transport: Transport) -> int:
+    """Messages a transport received or rejected."""
+    return transport.stats.messages_received + transport.stats.messages_rejected

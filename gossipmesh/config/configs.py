@@ -138,6 +138,7 @@ class TrainConfig(Averaging, LocalSGD):
     eval_interval: float = o.EVAL_INTERVAL.field()
     profile: str = o.PROFILE.field()
     max_send_mbps: float | None = o.MAX_SEND_MBPS.field()
+    streams: int = o.STREAMS.field()
     device: str = o.DEVICE.field()
     dtype: Precision = o.DTYPE.field()
     local_ranks: int = o.LOCAL_RANKS.field()

@@ -209,6 +209,13 @@ MAX_SEND_MBPS = Option(
     "uplink (default: no cap)",
     metavar="MBPS",
 )
+STREAMS = Option(
+    number(int, at_least=1, at_most=16),
+    "connections to each neighbour a large message is spread over (its chunks in turn), for a "
+    "long link that one TCP stream cannot fill (its window over the round trip); 1: one",
+    1,
+    metavar="K",
+)
 DTYPE = Option(
     lambda text: Precision(choice(PRECISIONS)(text)),
     "the model's parameter dtype: float32, bfloat16, float16, or mixed (weight matrices in "

@@ -57,6 +57,7 @@ def make_peer(
         curve=_curve(config, node_id),
         max_send_bytes_per_s=_send_cap(config),
         ranks=ranks,
+        streams=config.streams,
     )
 
 
@@ -84,6 +85,7 @@ def machine_peer(
         limits=_limits(model),
         curve=_curve(config, node_id),
         max_send_bytes_per_s=_send_cap(config),
+        streams=config.streams,
     )
     group.all_gather_bytes(endpoint.start().encode())
     return endpoint
