@@ -3,14 +3,14 @@
 A ROUTER socket receives from all peers; one DEALER per peer address and key sends
 (``p2p.connections``: bounded in number, closed when idle). A node that does not listen
 (``listen=None``) has no ROUTER: it goes by ``inbound://ID``, reads what its peers send it on
-its DEALERs, and they send it over their ROUTERs along the route its messages came by. Other threads never
-touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload copy; under a
-send cap, on the network thread as the message leaves) and hands the frames to the network
-thread, which sends them without blocking (``p2p.outbound``: a full or unreachable peer drops
-the message and counts it). Received messages are decoded and validated on the network
-thread; valid ones go to a bounded inbox that :meth:`Transport.recv` reads with a timeout.
-Rejected ones are counted per reason and per peer (see ``p2p.rejections``); a peer that keeps
-sending garbage is shunned, its messages dropped unread.
+its DEALERs, and they send it over their ROUTERs along the route its messages came by. Other
+threads never touch a socket: :meth:`Transport.send` encodes on the caller's thread (no payload
+copy; under a send cap, on the network thread as the message leaves) and hands the frames to
+the network thread, which sends them without blocking (``p2p.outbound``: a full or unreachable
+peer drops the message and counts it). Received messages are decoded and validated on the
+network thread; valid ones go to a bounded inbox that :meth:`Transport.recv` reads with a
+timeout. Rejected ones are counted per reason and per peer (see ``p2p.rejections``); a peer
+that keeps sending garbage is shunned, its messages dropped unread.
 
 With a :class:`~p2p.security.Curve` every socket is CURVE-encrypted and only peers with a trusted
 key get a frame through (see ``p2p.security``); without one, nothing is authenticated.

@@ -58,6 +58,11 @@ def _positions(members: frozenset[str]) -> tuple[tuple[str, ...], Mapping[str, i
     return ordered, MappingProxyType({m: i for i, m in enumerate(ordered)})
 
 
+def _vertices(members: Iterable[str], positions: Mapping[str, int]) -> frozenset[int]:
+    """The graph vertices of those of ``members`` that are in the view."""
+    return frozenset(positions[m] for m in members if m in positions)
+
+
 def mixing_row(
     topology: Topology, members: Iterable[str], me: str, round: int = 0, no_listen: Iterable[str] = ()
 ) -> MixingRow:
@@ -68,7 +73,7 @@ def mixing_row(
     if me not in positions:
         raise ValueError(f"{me!r} is not among the members {list(ordered)}")
     n, i = len(ordered), positions[me]
-    hidden = frozenset(positions[m] for m in no_listen if m in positions)
+    hidden = _vertices(no_listen, positions)
     try:
         topology.graph(n, round)
     except TopologyError:
@@ -91,7 +96,7 @@ def pair_partner(
     ordered, positions = _positions(frozenset(members))
     if me not in positions or len(ordered) < 2:
         return None
-    hidden = frozenset(positions[m] for m in no_listen if m in positions)
+    hidden = _vertices(no_listen, positions)
     try:
         graph = topology.graph(len(ordered), 0, hidden)
     except TopologyError:
