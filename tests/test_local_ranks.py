@@ -110,6 +110,10 @@ RUNS: dict[str, dict[str, Any]] = {  # GossipOptimizer's options for each algori
 # 1.31 apart, against 0.17)
 STEP_S = {"adpsgd": 0.02, "sgp": 0.02}
 MIN_MIXED = 20  # messages each rank mixes in before its run ends (within 10 x STEPS steps)
+# runs whose rounds wait for every neighbour: their machines all end after the same round. SGP
+# and AD-PSGD go at each machine's own pace: one held on for a shared end round would train on
+# alone (a loaded run's SGP machines ended 0.25, 0.91 and 1.15); they end once all have mixed.
+ROUND_ALIGNED = {"dpsgd", "auto", "choco", "local steps"}
 
 
 @dataclass
@@ -200,7 +204,10 @@ def _train(
     while (
         len(digests) < STEPS
         or not optimizer.round_ran
-        or (len(digests) < 10 * STEPS and not _finished(group, optimizer, machine, finish))
+        or (
+            len(digests) < 10 * STEPS
+            and not _finished(group, optimizer, machine, finish, aligned=run in ROUND_ALIGNED)
+        )
     ):
         time.sleep(STEP_S.get(run, 0.0))
         x = torch.randn(16, 40, generator=data)
@@ -227,21 +234,23 @@ class Finish:
 
 
 def _finished(
-    group: LocalGroup, optimizer: GossipOptimizer, machine: int, finish: tuple[Finish, int]
+    group: LocalGroup, optimizer: GossipOptimizer, machine: int, finish: tuple[Finish, int], *, aligned: bool
 ) -> bool:
     """Whether this machine's run is over: every rank of every machine has mixed in enough of
-    its neighbours' messages, and this machine reached the run's end round (the round after the
-    one at which a machine first saw all mixed, so that every machine stops after the same
-    round). AD-PSGD exchanges at its own pace, and SGP does not wait for a neighbour that fell
-    behind, so on a loaded machine 30 steps can pass before either mixes anything; and a machine
-    must go on gossiping until the others have mixed too (one that stopped would leave a slow
-    one pushing to nobody)."""
+    its neighbours' messages, and, when the run's rounds are ``aligned``, this machine reached
+    the run's end round (the round after the one at which a machine first saw all mixed, so that
+    every machine stops after the same round). AD-PSGD exchanges at its own pace, and SGP does
+    not wait for a neighbour that fell behind, so on a loaded machine 30 steps can pass before
+    either mixes anything; and a machine must go on gossiping until the others have mixed too
+    (one that stopped would leave a slow one pushing to nobody)."""
     shared, run = finish
     flags = shared.mixed[3 * run : 3 * run + 3]
     machine_mixed = not group.agree(optimizer.averager.staleness.accepted < MIN_MIXED)
     if machine_mixed and group.rank == 0:
         shared.mixed[3 * run + machine] = 1
         flags[machine] = 1
+    if not aligned:
+        return not group.agree(not all(flags))  # (the ranks may read the flags apart: they agree)
     if all(flags) and group.rank == 0:
         with shared.end_round.get_lock():
             if not shared.end_round[run]:
