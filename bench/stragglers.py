@@ -19,7 +19,7 @@ shards. An arm ``ALGORITHM+qgm`` (``dpsgd+qgm``) puts the momentum on the model'
 mixing included, instead of on the local gradients (``--quasi-global-momentum``).
 
     python bench/stragglers.py [--nodes 8] [--slowdowns 1,2,4,8] [--target 0.94] [--png FILE]
-                               [--partition iid|dirichlet:ALPHA]
+                               [--partition iid|dirichlet:ALPHA] [--topology NAME]
 """
 
 from __future__ import annotations
@@ -145,10 +145,17 @@ QUASI_GLOBAL = "+qgm"  # an arm's suffix: the momentum on the model's movement (
 
 
 def run_gossip(
-    name: str, nodes: int, duration: float, compute_ms: float, slowdown: float, partition: DataPartition
+    name: str,
+    topology: str,
+    nodes: int,
+    duration: float,
+    compute_ms: float,
+    slowdown: float,
+    partition: DataPartition,
 ) -> Arm:
     algorithm = name.removesuffix(QUASI_GLOBAL)
     argv = ["--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
+    argv += ["--topology", topology]
     argv += ["--compute-ms", f"{compute_ms:g}", "--lr", str(LR), "--batch-size", str(BATCH)]
     argv += ["--partition", str(partition)]
     momentum = ["--momentum", "0", "--quasi-global-momentum", str(MOMENTUM)]
@@ -227,13 +234,14 @@ def main() -> None:
     parser.add_argument(
         "--partition", type=DataPartition.parse, default=IID, help="iid, or dirichlet:ALPHA (label skew)"
     )
+    parser.add_argument("--topology", default="ring", help="the gossip arms' topology (as mesh --topology)")
     parser.add_argument("--json", type=Path, help="also write the timelines here")
     args = parser.parse_args()
 
     arms: list[Arm] = []
     for slowdown in (float(s) for s in args.slowdowns.split(",")):
         for name in args.arms.split(","):
-            run = run_ddp if name == "ddp" else lambda *a, name=name: run_gossip(name, *a)
+            run = run_ddp if name == "ddp" else lambda *a, name=name: run_gossip(name, args.topology, *a)
             started = time.monotonic()
             arms.append(run(args.nodes, args.duration, args.compute_ms, slowdown, args.partition))
             print(
@@ -241,6 +249,7 @@ def main() -> None:
             )
     print(
         f"\n{args.nodes} nodes, {args.compute_ms:g} ms per step, {args.partition} data, "
+        f"gossip on {args.topology}, "
         f"target {args.target} for every node"
     )
     print("\n".join(table(arms, args.target, args.nodes)))

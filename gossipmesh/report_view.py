@@ -1,7 +1,7 @@
 """A run report for people: a table of the nodes (where their time went) and a figure.
 
-The figure has four panels against wall time: held-out loss and accuracy per node, the nodes'
-consensus distance estimates (with the final measured distance), and bytes sent per second per
+The figure has four panels against wall time: held-out loss and accuracy per node (with the
+accuracy of the average of the final models), the nodes' consensus distance estimates (with the final measured distance), and bytes sent per second per
 node. The mesh's faults are drawn on every panel: kills (red), joins (green) and graceful
 leaves (orange) as lines, pauses as shaded spans, and the moment the survivors declared a node
 dead (dotted).
@@ -22,9 +22,11 @@ _FAULT_COLOURS = {"kill": "tab:red", "join": "tab:green", "leave": "tab:orange"}
 
 def summarize(report: dict[str, Any]) -> list[str]:
     """One line per node: status, steps, final accuracy, bytes, and each phase's share of time."""
+    average = report.get("average_model") or {}
     lines = [
         f"run of {report['wall_time_s']:.1f} s, {len(report['nodes'])} node(s); "
-        f"consensus distance {_number(report.get('consensus_distance'), '.2e')}",
+        f"consensus distance {_number(report.get('consensus_distance'), '.2e')}; "
+        f"the average model's accuracy {_number(average.get('accuracy'), '.3f')}",
         f"{'node':>10} {'status':>9} {'steps':>6} {'acc':>6} {'sent MB':>8}  "
         + " ".join(f"{p:>7}" for p in PHASES),
     ]
@@ -58,13 +60,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
         if len(t) > 1:
             rate = np.diff(_series(timeline, "bytes_sent")) / np.maximum(np.diff(t), 1e-9)
             rate_axis.plot((t[1:] + t[:-1]) / 2, rate, linewidth=1)
+    average = report.get("average_model")
+    if average:
+        accuracy_axis.scatter(
+            [report["wall_time_s"]], [average["accuracy"]], marker="*", s=120, color="k", zorder=3
+        )
     final = report.get("consensus_distance")
     if final:
         consensus_axis.scatter([report["wall_time_s"]], [final], marker="*", s=120, color="k", zorder=3)
         consensus_axis.set_yscale("log")
     titles = (
         (loss_axis, "held-out loss"),
-        (accuracy_axis, "held-out accuracy"),
+        (accuracy_axis, "held-out accuracy (* the average of the final models)"),
         (consensus_axis, "consensus distance (estimate per node; * measured at the end)"),
         (rate_axis, "bytes sent per second"),
     )

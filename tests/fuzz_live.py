@@ -96,7 +96,8 @@ metas = st.fixed_dictionaries(
         )
         | values,
         "counters": st.dictionaries(st.text(max_size=8), ints | st.floats(), max_size=3) | values,
-        "sparse": st.sampled_from(["index", "bitmap", "zip"]) | values,
+        "sparse": st.sampled_from(["segments", "bitmap", "zip"]) | values,
+        "gamma": st.floats() | values,
         "x": values,
     },
 )
@@ -174,6 +175,8 @@ def _valid_messages(draw: st.DrawFn) -> Input:
         tensors = [vector.view(np.uint8)] if kind == CHUNK else []
     else:
         meta.update(probe=draw(ints), target=draw(endpoints))
+    if kind in ("choco", "choco_full"):
+        meta["gamma"] = draw(st.sampled_from([0.05, 1.0]) | st.floats())  # valid ones get past the check
     fields = {"kind": kind, "sender": sender, "round": round, "tensors": tensors, "meta": meta}
     if tensors and draw(st.integers(0, 3)) == 0:  # as a stream of chunks
         chunks = encode_chunks(**fields, session=7, seqs=_seqs, chunk_bytes=draw(st.integers(16, 200)))

@@ -56,19 +56,21 @@ def average_in_threads(
     rounds: int,
     timeout: float = 5.0,
     history: list[list[np.ndarray]] | None = None,
-    algorithm: str = "dpsgd",
+    algorithm: str | Sequence[str] = "dpsgd",
     compression: str = "none",
 ) -> list[list[float]]:
     """Run ``rounds`` rounds of pure averaging (no training) on every peer at once; returns
     round durations. Each wait for a neighbour lasts up to ``timeout`` (:func:`full_waits`).
-    With ``history``, node i's vector after each round is appended to ``history[i]``."""
+    With ``history``, node i's vector after each round is appended to ``history[i]``.
+    ``algorithm`` is every node's, or a list of each node's."""
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
-    spec = Algorithm.parse(algorithm)
+    names = [algorithm] * len(peers) if isinstance(algorithm, str) else algorithm
+    specs = [Algorithm.parse(name) for name in names]
 
     def run(i: int) -> None:
         try:
-            averager = spec.build(
+            averager = specs[i].build(
                 peers[i],
                 vectors[i],
                 topology=Topology.parse(topology),

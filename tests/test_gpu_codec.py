@@ -74,7 +74,7 @@ def test_the_bench_passes_with_numpy_standing_in_for_the_device(capsys: pytest.C
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == [
         "device: numpy",
-        "checks against numpy, bit for bit: 8 codecs, 7 malformed inputs, DLPack, CHOCO with int8, "
+        "checks against numpy, bit for bit: 9 codecs, 7 malformed inputs, DLPack, CHOCO with int8, "
         "bf16, randk:0.1: all passed",
     ]
     rows = [line.split() for line in lines[3:]]

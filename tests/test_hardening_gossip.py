@@ -55,7 +55,7 @@ def _choco_pair(round_timeout: float = 0.2) -> tuple[CHOCO, np.ndarray, MemoryPe
     a, b = network.join("a"), network.join("b")
     params = np.zeros(SIZE, np.float32)
     choco = CHOCO(a, params, topology=Topology.parse("ring"), codec=Codec(), round_timeout=round_timeout)
-    b.send("a", FULL, 0, [np.ones(SIZE, np.float32)])
+    b.send("a", FULL, 0, [np.ones(SIZE, np.float32)], {"gamma": 1.0})
     return choco, params, b
 
 
@@ -63,7 +63,7 @@ def test_choco_refuses_non_finite_updates() -> None:
     """Item 6: a neighbour's update of NaN."""
     choco, params, b = _choco_pair()
     choco.after_step()  # round 0 mixes b's full copy
-    b.send("a", KIND, 1, [np.full(SIZE, np.nan, np.float32)], {"codec": "none"})
+    b.send("a", KIND, 1, [np.full(SIZE, np.nan, np.float32)], {"codec": "none", "gamma": 1.0})
     choco.after_step()
     assert np.isfinite(params).all() and params[0] == pytest.approx(0.5)
     assert choco.rejected["non_finite"] == 1
@@ -74,10 +74,22 @@ def test_choco_drops_a_replica_that_a_diverged_neighbour_made_infinite() -> None
     choco, params, b = _choco_pair()
     choco.after_step()
     for r in (1, 2):
-        b.send("a", KIND, r, [np.full(SIZE, 3e38, np.float32)], {"codec": "none"})
+        b.send("a", KIND, r, [np.full(SIZE, 3e38, np.float32)], {"codec": "none", "gamma": 1.0})
         choco.after_step()
     assert np.isfinite(params).all()
     assert choco.rejected["non_finite"] == 1
+
+
+@pytest.mark.parametrize("gamma", [None, 0.0, 1.5, "1", float("nan")])
+def test_choco_refuses_an_update_without_a_valid_step_size(gamma: object) -> None:
+    """A pair mixes at the smaller of the two step sizes its updates name: one that names none,
+    or one outside (0, 1], is refused rather than trusted."""
+    choco, params, b = _choco_pair()
+    choco.after_step()
+    meta = {"codec": "none"} if gamma is None else {"codec": "none", "gamma": gamma}
+    b.send("a", KIND, 1, [np.full(SIZE, 3.0, np.float32)], meta)
+    choco.after_step()
+    assert choco.rejected["choco_gamma"] == 1 and params[0] == pytest.approx(0.5)
 
 
 def test_robust_rules_do_not_trust_fewer_arrivals_than_they_tolerate() -> None:

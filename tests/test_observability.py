@@ -110,6 +110,7 @@ def test_report_command_summarizes_where_the_time_went(
     run = tmp_path / "run.json"
     run.write_text(json.dumps({
         "wall_time_s": 1.2, "config": {}, "nodes": [node], "consensus_distance": 1e-3,
+        "average_model": {"loss": 0.9, "accuracy": 0.925},
         "membership_events": [{"t": 0.8, "observer": "x", "node": "node-1", "event": "dead"}],
         "chaos_events": [{"t": 0.7, "action": "kill", "node": "node-1"},
                          {"t": 0.2, "action": "pause", "node": "node-0"},
@@ -117,6 +118,7 @@ def test_report_command_summarizes_where_the_time_went(
     }))  # fmt: skip
     assert main(["report", str(run), "--png", str(tmp_path / "plot.png")]) == 0
     out = capsys.readouterr().out
+    assert "consensus distance 1.00e-03; the average model's accuracy 0.925" in out
     assert re.search(r"node-0\s+finished\s+10\s+0.900\s+2.0\s+75.0%\s+0.0%\s+0.0%\s+25.0%", out), out
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["report", str(tmp_path / "missing.json")]) == 1
