@@ -1,10 +1,10 @@
 """A run report for people: a table of the nodes (where their time went) and a figure.
 
 The figure has four panels against wall time: held-out loss and accuracy per node (with the
-accuracy of the average of the final models), the nodes' consensus distance estimates (with the final measured distance), and bytes sent per second per
-node. The mesh's faults are drawn on every panel: kills (red), joins (green) and graceful
-leaves (orange) as lines, pauses as shaded spans, and the moment the survivors declared a node
-dead (dotted).
+accuracy of the average of the final models), the nodes' consensus distance estimates (with the
+final measured distance), and bytes sent per second per node. The mesh's faults are drawn on
+every panel: kills (red), joins (green) and graceful leaves (orange) as lines, pauses as shaded
+spans, and the moment the survivors declared a node dead (dotted).
 """
 
 from __future__ import annotations
