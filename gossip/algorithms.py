@@ -64,6 +64,7 @@ FAMILIES: dict[str, _Family] = {
                     "backup": _COUNT,
                     "overlap": number(int, at_least=0, at_most=1),
                     "exact_every": _COUNT,
+                    "catch_up": _COUNT,
                     **_STALENESS,
                 }
             ),

@@ -11,7 +11,13 @@ round (``peer.members(round)``), so a node that left after round R is in the gra
 Stragglers: with ``backup=k`` a round proceeds as soon as k of its d neighbours' values are in
 (backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is
 mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
-rest left with the node itself (an old value says less about where the mesh is now).
+rest left with the node itself (an old value says less about where the mesh is now). With
+``catch_up=c`` a node that hears a neighbour's value c or more rounds ahead of its own (a
+straggler, which backup workers leave behind) skips to the round after it instead of working
+through the rounds the others have left: it then mixes their newest values and sends in time for
+their rounds again, rather than mixing values long gone by (or none: past ``max_rounds_ahead``
+they are dropped). The rounds it skips it neither sends nor mixes; the others mix what they
+have, so, as with backup workers, the mean is no longer kept exactly.
 
 Overlap (``overlap=1``): round r sends x_i as usual but mixes the values of round r - 1, which
 were sent a whole round (a step, or H local steps) ago and are usually in by now, so the
@@ -58,6 +64,7 @@ class DPSGD(Averager):
     overlap: 1: mix the values of the previous round (see above); 0: of this round.
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
     exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
+    catch_up: skip ahead when a neighbour is this many rounds ahead (see above); 0: never.
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.robust``).
     """
 
@@ -80,6 +87,7 @@ class DPSGD(Averager):
         max_rounds_ahead: int = 64,
         robust: RobustRule | None = None,
         exact_every: int = 0,
+        catch_up: int = 0,
     ) -> None:
         super().__init__(
             peer,
@@ -92,6 +100,8 @@ class DPSGD(Averager):
         )
         if overlap not in (0, 1):
             raise ValueError(f"dpsgd overlap is 0 or 1 round, got {overlap}")
+        if catch_up and overlap:
+            raise ValueError("dpsgd catch_up skips rounds, overlap mixes the one before: choose one")
         self.backup = backup
         self.overlap = overlap
         self.exact_every = exact_every
@@ -100,6 +110,9 @@ class DPSGD(Averager):
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
+        self.catch_up = catch_up
+        self._newest_heard = -1  # the newest round of a value that came
+        self.rounds_skipped = 0
 
     def after_step(self) -> RoundStats:
         return self.average()
@@ -108,10 +121,17 @@ class DPSGD(Averager):
         super().restart(round)
         self._sent.clear()
 
+    def report(self) -> dict[str, float]:
+        return (
+            {**super().report(), "rounds_skipped": self.rounds_skipped} if self.catch_up else super().report()
+        )
+
     def average(self) -> RoundStats:
         """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
         the previous round's)."""
         self._time_round()
+        if self.catch_up and self._newest_heard - self.round >= self.catch_up:
+            self._skip_to(self._newest_heard + 1)
         r = self.round
         sending = self._round_row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
@@ -136,6 +156,12 @@ class DPSGD(Averager):
                 self.params *= OVERLAP_GAMMA
                 self.params += snapshot
         return RoundStats(mixed, len(row.receive_from), len(values), wait_s, row.topology)
+
+    def _skip_to(self, r: int) -> None:
+        self.rounds_skipped += r - self.round
+        self.round = r
+        for old in [k for k in self._early if k < r]:
+            del self._early[old]
 
     def _round_row(self, r: int) -> MixingRow:
         """The row of round ``r``: on the complete graph every ``exact_every``-th round."""
@@ -177,6 +203,7 @@ class DPSGD(Averager):
             return
         sender = message.sender
         self._heard_from(sender)
+        self._newest_heard = max(self._newest_heard, message.round)
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
         elif message.round == r:

@@ -122,6 +122,24 @@ def test_dpsgd_with_backup_neighbours_does_not_wait_for_the_last_one() -> None:
     np.testing.assert_allclose(own, 2.0)  # 1/3 and 1/3, renormalised over what came
 
 
+def test_dpsgd_that_fell_behind_catches_up_to_its_neighbours_round() -> None:
+    """A straggler (backup workers left it behind) that hears a neighbour 3 rounds ahead skips
+    to the round after the newest it heard, dropping the values of the rounds it skipped, and
+    mixes the neighbour's value of that round; without catch_up it works through old rounds."""
+    for catch_up, mixed_round, value in ((3, 11, (5.5 + 21) / 2), (0, 1, (5.5 + 11) / 2)):
+        a, b = memory_mesh(2)
+        own = np.full(2, 1.0)
+        averager = DPSGD(a, own, topology=Topology.parse("ring"), round_timeout=5.0, catch_up=catch_up)
+        for r in range(11):
+            b.send("node-0", "params", r, [np.full(2, 10.0 + r)])
+        averager.average()  # round 0 mixes 10.0 into 1.0; the others wait as early values
+        b.send("node-0", "params", 11, [np.full(2, 21.0)])  # the neighbour's next round
+        stats = averager.average()
+        assert stats.round == mixed_round and stats.arrived == 1
+        np.testing.assert_allclose(own, value)
+        assert averager.rounds_skipped == (10 if catch_up else 0)
+
+
 def test_overlapped_dpsgd_keeps_the_mean_and_contracts_at_the_delayed_rate() -> None:
     """Mixing last round's values in difference form: the mean is exact every round, and the
     consensus distance contracts at the largest root of z² = z - (1 - μ)/2 over W's

@@ -130,8 +130,12 @@ def test_a_joiner_takes_a_17m_parameter_state_from_several_members(
     assert joiner["status"] == "finished" and joiner["steps"] >= 1
     assert transfer["bytes"] == 2 * 4 * 17_088_522  # parameters and momentum, float32
     assert sum(transfer["chunks"].values()) == 131  # 1 MiB each...
-    # ...from several members (a source that fell silent under load is dropped, the rest serve)
-    assert len(transfer["chunks"]) >= 2, transfer
+    # ...from several members (a source that fell silent under load is dropped, the rest serve):
+    # from every member that had trained for a second when the transfer began, as the joiner
+    # then knew (a loaded fresh-clone run's joiner, at 3.6 s, had heard of node-0 training only)
+    began = joiner["t_joined"] - transfer["seconds"]
+    training = [n for n in ("node-0", "node-1", "node-2") if nodes[n]["t_first_step"] < began - 1]
+    assert len(transfer["chunks"]) >= min(2, len(training)) >= 1, (transfer, began, training)
     # it trains from the mesh's model (a fresh one scores ~0.1): as its sources' models were
     # while the state was read from them (early on, a starved quiet CI run's mesh swung between
     # 0.1 and 0.49 from step to step: the state of 10-16 s scored 0.12, the mesh 0.31 at 16.9 s)

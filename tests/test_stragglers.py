@@ -43,7 +43,7 @@ def fast_rate(report: dict[str, Any]) -> float:
     return statistics.median(steady_rate(n) for n in report["nodes"] if n["rank"] != SLOW)
 
 
-@pytest.mark.parametrize("algorithm", ["adpsgd", "sgp", "dpsgd:backup=1"])
+@pytest.mark.parametrize("algorithm", ["adpsgd", "sgp", "dpsgd:backup=1", "dpsgd:backup=1,catch_up=2"])
 def test_a_node_slowed_8x_does_not_hold_the_others_back(tmp_path: Path, algorithm: str) -> None:
     even = run(tmp_path, algorithm)
     slowed = run(tmp_path, algorithm, "--slowdown", f"{SLOW}:8")
@@ -55,7 +55,7 @@ def test_a_node_slowed_8x_does_not_hold_the_others_back(tmp_path: Path, algorith
     assert min(n["final"]["accuracy"] for n in even["nodes"]) >= 0.9
     slow = next(n for n in slowed["nodes"] if n["rank"] == SLOW)
     assert slow["steps"] < fast_steps(slowed) / 5  # it really was slow...
-    if not algorithm.startswith("dpsgd"):  # ...yet, averaging asynchronously, it kept up
+    if algorithm != "dpsgd:backup=1":  # ...yet, averaging asynchronously or catching up, it kept up
         assert slow["final"]["accuracy"] >= 0.9
     assert all("mean" in n["staleness"] for n in slowed["nodes"])
 
