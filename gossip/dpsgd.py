@@ -12,12 +12,14 @@ Stragglers: with ``backup=k`` a round proceeds as soon as k of its d neighbours'
 (backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is
 mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
 rest left with the node itself (an old value says less about where the mesh is now). With
-``catch_up=c`` a node that hears a neighbour's value c or more rounds ahead of its own (a
-straggler, which backup workers leave behind) skips to the round after it instead of working
-through the rounds the others have left: it then mixes their newest values and sends in time for
-their rounds again, rather than mixing values long gone by (or none: past ``max_rounds_ahead``
-they are dropped). The rounds it skips it neither sends nor mixes; the others mix what they
-have, so, as with backup workers, the mean is no longer kept exactly.
+``catch_up=c`` a node whose neighbours are c or more rounds ahead of it (a straggler, which
+backup workers leave behind) skips to the round after theirs instead of working through the
+rounds they have left: it then mixes their newest values and sends in time for their rounds
+again, rather than mixing values long gone by (or none: past ``max_rounds_ahead`` they are
+dropped). "Their round" is the median of the newest rounds heard from each, so one neighbour
+naming a round far ahead cannot throw the node forward. The rounds it skips it neither sends nor
+mixes; the others mix what they have, so, as with backup workers, the mean is no longer kept
+exactly.
 
 Overlap (``overlap=1``): round r sends x_i as usual but mixes the values of round r - 1, which
 were sent a whole round (a step, or H local steps) ago and are usually in by now, so the
@@ -40,6 +42,7 @@ round is not waited for again until it is heard from (``Averager._went_silent``)
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from contextlib import AbstractContextManager
 from typing import ClassVar
@@ -64,7 +67,7 @@ class DPSGD(Averager):
     overlap: 1: mix the values of the previous round (see above); 0: of this round.
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
     exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
-    catch_up: skip ahead when a neighbour is this many rounds ahead (see above); 0: never.
+    catch_up: skip ahead when the neighbours are this many rounds ahead (see above); 0: never.
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.robust``).
     """
 
@@ -111,7 +114,7 @@ class DPSGD(Averager):
         self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
         self.catch_up = catch_up
-        self._newest_heard = -1  # the newest round of a value that came
+        self._newest_heard: dict[str, int] = {}  # sender -> the newest round of its values
         self.rounds_skipped = 0
 
     def after_step(self) -> RoundStats:
@@ -130,8 +133,12 @@ class DPSGD(Averager):
         """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
         the previous round's)."""
         self._time_round()
-        if self.catch_up and self._newest_heard - self.round >= self.catch_up:
-            self._skip_to(self._newest_heard + 1)
+        if self.catch_up and self._newest_heard:
+            members = self.peer.members()
+            self._newest_heard = {j: r for j, r in self._newest_heard.items() if j in members}
+            ahead = statistics.median_low(self._newest_heard.values()) if self._newest_heard else -1
+            if ahead - self.round >= self.catch_up:
+                self._skip_to(ahead + 1)
         r = self.round
         sending = self._round_row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
@@ -203,7 +210,7 @@ class DPSGD(Averager):
             return
         sender = message.sender
         self._heard_from(sender)
-        self._newest_heard = max(self._newest_heard, message.round)
+        self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
         elif message.round == r:

@@ -140,6 +140,19 @@ def test_dpsgd_that_fell_behind_catches_up_to_its_neighbours_round() -> None:
         assert averager.rounds_skipped == (10 if catch_up else 0)
 
 
+def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() -> None:
+    """Catching up goes by the median of the neighbours' newest rounds: a liar at round 10^9
+    beside an honest neighbour at round 1 moves nothing."""
+    a, liar, honest = memory_mesh(3)
+    own = np.full(2, 1.0)
+    averager = DPSGD(a, own, topology=Topology.parse("ring"), round_timeout=0.2, backup=1, catch_up=2)
+    liar.send("node-0", "params", 10**9, [np.full(2, 5.0)])
+    for r in range(3):
+        honest.send("node-0", "params", r, [np.full(2, 3.0)])
+        averager.average()
+    assert averager.round == 3 and averager.rounds_skipped == 0
+
+
 def test_overlapped_dpsgd_keeps_the_mean_and_contracts_at_the_delayed_rate() -> None:
     """Mixing last round's values in difference form: the mean is exact every round, and the
     consensus distance contracts at the largest root of z² = z - (1 - μ)/2 over W's
