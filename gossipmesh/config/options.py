@@ -136,7 +136,8 @@ ALGORITHM = Option(
 COMPRESSION = Option(
     Codec.parse,
     f"codec for what choco sends: {', '.join(CODECS)}; auto: the mesh picks none, bf16 or int8 "
-    "each epoch of rounds from its measured round and step times",
+    "each epoch of rounds from its measured round and step times; topk and randk also take "
+    "values=int8|float32 (default int8) and dense_every=M (an int8 round every M, default 20; 0: never)",
     Codec(),
     metavar="CODEC",
 )
