@@ -71,7 +71,7 @@ class StepSize:
 
     that is, the share of what is owed that a message carries. CHOCO's theory asks for γ of the
     order of δ, and no fixed γ fits every fraction and phase: top-1% carries δ ≈ 0.04 of a
-    pure-averaging residual but 0.06-0.12 of a training one (heavy-tailed), top-10% 0.4-0.7.
+    pure-averaging residual but 0.06-0.12 of a training one (heavy-tailed), top-10% 0.35-0.7.
     Measured limits match γ ≈ δ: pure averaging (ring of 8) with top-1% diverges at γ = 0.08
     and not at 0.05, random-10% (δ = 0.1) at 0.2 and not at 0.1; training the digits MLP
     (8 nodes, exponential) with top-1% drifts apart at 0.1 and not at 0.05, where the fixed
