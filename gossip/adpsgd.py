@@ -4,7 +4,9 @@ Training never waits for communication. A background exchanger (which the networ
 ``PeerNetwork.start_background``, an OS thread in a mesh, a coroutine in the simulator) averages
 the model with one neighbour at a time: an *active* node sends its model to a *passive*
 neighbour, which atomically replaces its own with the mean of the two and answers with its
-model from before; the active node then does the same with the answer. Nodes are split into
+model from before; the active node then moves by half the difference between the answer and
+what it sent, so the local steps it took while waiting count in full (the mean of its model
+*now* and the answer would keep half of them: the mesh would lose the other half). Nodes are split into
 actives and passives by the graph's 2-colouring (even and odd positions when it has none), so
 two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
 but keeps exchanging at the speed of the network, so its model stays with the others.
@@ -25,7 +27,7 @@ import numpy as np
 
 from gossip.averager import Averager, Needs
 from gossip.network import Envelope, PeerNetwork
-from gossip.vector import Layout
+from gossip.vector import Frames, Layout
 from topologies import Topology, pair_partner
 
 REQUEST, REPLY = "pair_request", "pair_reply"
@@ -99,8 +101,8 @@ class ADPSGD(Averager):
         """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
         exchange = next(self._exchange_ids)
         with self.lock:
-            mine = self.params.copy()
-        self.peer.send(partner, REQUEST, self.round, self.layout.pack(mine), {"exchange": exchange})
+            sent = self.layout.pack(self.params.copy())
+        self.peer.send(partner, REQUEST, self.round, sent, {"exchange": exchange})
         deadline = self.peer.now() + self.wait_limit()
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, self.kinds)
@@ -112,7 +114,7 @@ class ADPSGD(Averager):
             elif message.sender == partner and message.meta.get("exchange") == exchange:
                 if self._valid(message) and self._fresh(message.round, self.round):
                     with self.lock:
-                        self._take_mean(message)
+                        self._take_half_difference(message, sent)
                 return
             else:
                 self.dropped["stale"] += 1  # the answer to an exchange already given up
@@ -141,6 +143,17 @@ class ADPSGD(Averager):
         so the exchange is atomic)."""
         self.layout.add_scaled(self.params, message.tensors, 1.0, self._scratch)
         self.params *= 0.5
+        self._count_exchange(message.round)
+
+    def _take_half_difference(self, answer: Envelope, sent: Frames) -> None:
+        """The active side: x += (answer - sent) / 2, the partner's model of before mixed
+        into what we sent (as the partner mixed what we sent into its own), the local steps
+        taken since kept whole. The pair's sum is what it was (in the frames' own rounding)."""
+        self.layout.add_scaled(self.params, answer.tensors, 0.5, self._scratch)
+        self.layout.add_scaled(self.params, sent, -0.5, self._scratch)
+        self._count_exchange(answer.round)
+
+    def _count_exchange(self, version: int) -> None:
         with self._version_lock:
-            self.round = max(self.round, message.round)
+            self.round = max(self.round, version)
         self.exchanges += 1

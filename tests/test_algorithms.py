@@ -4,6 +4,7 @@ code, no sockets): exact averages, staleness bounds, backup neighbours."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import numpy as np
@@ -94,6 +95,44 @@ def test_asynchronous_pairwise_averaging_keeps_the_mean_and_reaches_it() -> None
         a for a in averagers if a.exchanges and a.peer.node_id in {"node-0", "node-2", "node-4", "node-6"}
     ]
     assert len(actives) == 4
+
+
+def test_asynchronous_exchanges_keep_every_local_step_taken_while_they_wait() -> None:
+    """Four nodes "train" (add 1 to every value, under the lock) while they exchange; once they
+    stop and agree, the mean must have gained exactly what the steps added. An active node that
+    took the mean of its model *now* and its partner's answer kept only half of the steps it
+    took while waiting for the answer."""
+    peers = memory_mesh(4)
+    vectors = start_vectors(4, seed=8)
+    start_mean = np.mean(vectors, axis=0)
+    locks = [threading.Lock() for _ in peers]
+    averagers = [
+        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.0005, lock=lock)
+        for p, v, lock in zip(peers, vectors, locks, strict=True)
+    ]
+    steps = 300
+
+    def train(vector: np.ndarray, lock: threading.Lock, averager: ADPSGD) -> None:
+        for _ in range(steps):
+            with lock:
+                vector += 1.0
+            averager.after_step()
+            time.sleep(0.0002)
+
+    trainers = [
+        threading.Thread(target=train, args=args) for args in zip(vectors, locks, averagers, strict=True)
+    ]
+    try:
+        for trainer in trainers:
+            trainer.start()
+        for trainer in trainers:
+            trainer.join()
+        assert wait_until(lambda: consensus_distance(vectors) < 1e-12, 20.0)
+    finally:
+        for averager in averagers:
+            averager.close()
+    assert sum(a.exchanges for a in averagers) > 200  # (exchanges did overlap the steps)
+    np.testing.assert_allclose(np.mean(vectors, axis=0), start_mean + steps, rtol=0, atol=1e-9)
 
 
 def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:
