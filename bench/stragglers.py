@@ -16,7 +16,9 @@ time to DDP's. A PNG shows the lowest node's accuracy against wall time for ever
 
 With ``--partition dirichlet:0.5`` every arm (DDP's ranks too) trains on the same label-skewed
 shards. An arm ``ALGORITHM+qgm`` (``dpsgd+qgm``) puts the momentum on the model's movement,
-mixing included, instead of on the local gradients (``--quasi-global-momentum``).
+mixing included, instead of on the local gradients (``--quasi-global-momentum``);
+``ALGORITHM+mix-momentum`` (``adpsgd+mix-momentum``) mixes the nodes' momentum buffers along
+with their parameters (``--mix-momentum``).
 
     python bench/stragglers.py [--nodes 8] [--slowdowns 1,2,4,8] [--target 0.94] [--png FILE]
                                [--partition iid|dirichlet:ALPHA] [--topology NAME]
@@ -142,6 +144,7 @@ def run_ddp(
 
 
 QUASI_GLOBAL = "+qgm"  # an arm's suffix: the momentum on the model's movement (gossip.momentum)
+MIX_MOMENTUM = "+mix-momentum"  # an arm's suffix: momentum buffers mixed too (gossip.momentum_mixing)
 
 
 def run_gossip(
@@ -153,13 +156,15 @@ def run_gossip(
     slowdown: float,
     partition: DataPartition,
 ) -> Arm:
-    algorithm = name.removesuffix(QUASI_GLOBAL)
+    algorithm = name.removesuffix(QUASI_GLOBAL).removesuffix(MIX_MOMENTUM)
     argv = ["--nodes", str(nodes), "--algorithm", algorithm, "--duration", f"{duration:g}"]
     argv += ["--topology", topology]
     argv += ["--compute-ms", f"{compute_ms:g}", "--lr", str(LR), "--batch-size", str(BATCH)]
     argv += ["--partition", str(partition)]
     momentum = ["--momentum", "0", "--quasi-global-momentum", str(MOMENTUM)]
     argv += momentum if name.endswith(QUASI_GLOBAL) else ["--momentum", str(MOMENTUM)]
+    if name.endswith(MIX_MOMENTUM):
+        argv.append("--mix-momentum")
     if slowdown > 1:
         argv += ["--slowdown", f"{nodes - 1}:{slowdown:g}"]
     report = quiet_mesh(argv)
@@ -175,7 +180,8 @@ def run_gossip(
 
 
 def table(arms: list[Arm], target: float, nodes: int) -> list[str]:
-    lines = [f"{'slow':>5} {'arm':<8} {'to target s':>11} {'x DDP':>6} {'steps':>6} {'examples':>9} "
+    width = max(8, *(len(a.name) for a in arms))
+    lines = [f"{'slow':>5} {'arm':<{width}} {'to target s':>11} {'x DDP':>6} {'steps':>6} {'examples':>9} "
              f"{'final acc':>9} {'MB/node':>8}"]  # fmt: skip
     ddp = {a.slowdown: a.time_to(target) for a in arms if a.name == "ddp"}
     for arm in arms:
@@ -187,7 +193,7 @@ def table(arms: list[Arm], target: float, nodes: int) -> list[str]:
         final = min(tl[-1]["accuracy"] for tl in arm.timelines if tl)
         mb = sum(arm.at(t, "bytes_sent")) / len(arm.timelines) / 1e6 if reached else math.nan
         lines.append(
-            f"{arm.slowdown:>4g}x {arm.name:<8} {t if reached else math.inf:>11.2f} {ratio:>6.2f} "
+            f"{arm.slowdown:>4g}x {arm.name:<{width}} {t if reached else math.inf:>11.2f} {ratio:>6.2f} "
             f"{(max(steps) if steps else 0):>6.0f} {examples:>9.0f} {final:>9.3f} {mb:>8.1f}"
         )
     return lines
@@ -225,7 +231,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--slowdowns", default="1,2,4,8", help="comma-separated factors for the slowed node")
     parser.add_argument(
-        "--arms", default="ddp,dpsgd,sgp,adpsgd", help="ddp and/or gossipmesh algorithms (ALGORITHM+qgm too)"
+        "--arms",
+        default="ddp,dpsgd,sgp,adpsgd",
+        help="ddp and/or gossipmesh algorithms (ALGORITHM+qgm, ALGORITHM+mix-momentum too)",
     )
     parser.add_argument("--target", type=float, default=0.94, help="held-out accuracy every node must reach")
     parser.add_argument("--compute-ms", type=float, default=20.0)

@@ -51,6 +51,10 @@ class FlatParameters:
     Args:
         params: the parameters, on one device, of float dtypes (a bucket per dtype, in the order
             the dtypes first appear: the same on every node with the same model).
+        extras: tensors mixed along with the parameters (an optimizer's momentum buffers), made
+            views of the vector after them: its first :attr:`param_size` elements are the
+            parameters (one bucket holds both when all are of one dtype, else each dtype of
+            the extras has a bucket after the parameters').
         staged: keep a separate host copy for :attr:`array`; None: when the vector cannot be
             the model's memory (a GPU model, a dtype other than the vector's, several dtypes).
             True on a CPU float32 model runs the staged path, as the tests do.
@@ -62,6 +66,7 @@ class FlatParameters:
         self,
         params: Iterable[torch.Tensor],
         *,
+        extras: Iterable[torch.Tensor] = (),
         staged: bool | None = None,
         chunk: int = STAGE_CHUNK,
         copies: CopyStream | None = None,
@@ -69,29 +74,31 @@ class FlatParameters:
         unique = list({id(p): p for p in params}.values())
         if not unique:
             raise ValueError("no parameters to flatten")
-        devices = {p.device for p in unique}
+        param_ids = {id(p) for p in unique}
+        extra = [t for key, t in {id(t): t for t in extras}.items() if key not in param_ids]
+        devices = {p.device for p in unique + extra}
         if len(devices) != 1:
             raise ValueError(
                 f"parameters must share one device, got {devices}; move the whole model with "
                 "model.to(device) first"
             )
-        unknown = {p.dtype for p in unique} - NUMPY_DTYPES.keys()
+        unknown = {p.dtype for p in unique + extra} - NUMPY_DTYPES.keys()
         if unknown:
             raise ValueError(
                 f"gossip averages float parameters ({', '.join(map(str, NUMPY_DTYPES))}), not {unknown}"
             )
         device = unique[0].device
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in unique:
-            by_dtype.setdefault(param.dtype, []).append(param)
+        dtypes = {t.dtype for t in unique + extra}
+        groups = [unique + extra] if len(dtypes) == 1 else [*_by_dtype(unique), *_by_dtype(extra)]
         self._spans: dict[int, tuple[int, int]] = {}  # id(parameter) -> its stretch of the vector
         self.buckets: list[torch.Tensor] = []
-        for group in by_dtype.values():
+        for group in groups:
             self.buckets.append(
                 _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets))
             )
+        self.param_size = sum(p.numel() for p in unique)
         self.layout = Layout(tuple((NUMPY_DTYPES[b.dtype], b.numel()) for b in self.buckets))
-        self.vector_dtype = torch.float64 if torch.float64 in by_dtype else torch.float32
+        self.vector_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
         in_place = (
             len(self.buckets) == 1 and self.buckets[0].dtype == self.vector_dtype and device.type == "cpu"
         )
@@ -123,9 +130,24 @@ class FlatParameters:
 
     @property
     def array(self) -> np.ndarray:
-        """The parameters as a host numpy vector: the model's own memory, or its host copy (as
-        of the last :meth:`copy_to_host`) when staged."""
+        """The parameters (and extras) as a host numpy vector: the model's own memory, or its
+        host copy (as of the last :meth:`copy_to_host`) when staged."""
         return self._host.detach().numpy()
+
+    @property
+    def param_array(self) -> np.ndarray:
+        """The parameters' part of :attr:`array` (a view)."""
+        return self.array[: self.param_size]
+
+    @property
+    def param_segments(self) -> list[torch.Tensor]:
+        """The parameters' part of the buckets, on the device, in the vector's order."""
+        segments, left = [], self.param_size
+        for bucket in self.buckets:
+            if left:
+                segments.append(bucket[: min(left, bucket.numel())])
+                left -= segments[-1].numel()
+        return segments
 
     def copy_to_host(self) -> None:
         """Make :attr:`array` the model's current parameters (no-op unless staged); complete on
@@ -183,6 +205,14 @@ class FlatParameters:
         """The chunks holding elements ``start:stop`` (not empty) of the vector."""
         starts = self._chunk_starts
         return range(bisect.bisect_right(starts, start) - 1, bisect.bisect_right(starts, stop - 1))
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype, in the order the dtypes first appear."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
 
 
 def _bucket(

@@ -31,6 +31,7 @@ from gossip.live_state import LiveState
 from gossip.local_group import BackwardAveraging, LocalGroup
 from gossip.local_steps import LocalStepsAgreement, check_auto
 from gossip.momentum import QuasiGlobalMomentum
+from gossip.momentum_mixing import momentum_buffers, rebind
 from gossip.network import PeerNetwork
 from gossip.outer import MIN_LOCAL_STEPS, OuterNesterov
 from gossip.phases import PhaseTimer, TimedPeer
@@ -105,6 +106,9 @@ class GossipOptimizer(torch.optim.Optimizer):
         quasi_global_momentum: β of a momentum step on the model's movement, mixing included,
             after each local step (``gossip.momentum``; give the local optimizer no momentum of
             its own); 0: none. Not with an outer step, which has a momentum of its own.
+        mix_momentum: mix the wrapped SGD's momentum buffers along with the parameters
+            (``gossip.momentum_mixing``; every message carries both). Every node of the mesh
+            must say the same. Not with an outer step, quasi-global momentum or local ranks.
         staged: mix a host copy of the parameters, copied from the device before a round and
             back after it (before and after every step with a background exchanger); None: when
             the model is not on the CPU (see ``gossip.flat``). CHOCO without an outer step
@@ -137,6 +141,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         robust: RobustRule | None = None,
         staged: bool | None = None,
         quasi_global_momentum: float = 0.0,
+        mix_momentum: bool = False,
         local_group: LocalGroup | None = None,
     ) -> None:
         if average_every != AUTO and not (isinstance(average_every, int) and average_every >= 1):
@@ -150,6 +155,11 @@ class GossipOptimizer(torch.optim.Optimizer):
             raise IncompatibleOptionsError(
                 "--quasi-global-momentum does not go with --local-steps: its outer step has a "
                 "momentum of its own (--outer-momentum)"
+            )
+        if mix_momentum and (outer_lr is not None or quasi_global_momentum or local_group is not None):
+            raise IncompatibleOptionsError(
+                "--mix-momentum mixes the local optimizer's momentum: not with --local-steps or "
+                "--quasi-global-momentum (momentum steps of their own) or --local-ranks"
             )
         super().__init__(optimizer.param_groups, optimizer.defaults)  # torch's hooks and step profiling
         self.param_groups = optimizer.param_groups  # the same groups and state as the wrapped one
@@ -175,7 +185,9 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._lock = lock if lock is not None else threading.Lock()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._gradients = BackwardAveraging(local_group, self._params) if local_group is not None else None
-        self.flat = FlatParameters(self._params, staged=staged)
+        # with mix_momentum, SGD's buffers are views of the vector gossip mixes, after the parameters
+        self._mixed_momentum = momentum_buffers(optimizer, self._params) if mix_momentum else []
+        self.flat = FlatParameters(self._params, extras=self._mixed_momentum, staged=staged)
         # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
         # device, only the encoded frames staged); the outer step and the others need the host copy
         buckets = self.flat.buckets
@@ -261,7 +273,7 @@ class GossipOptimizer(torch.optim.Optimizer):
             if sampled or ((round_due or background) and not self.mixes_in_place):
                 self.flat.copy_to_host()
             if sampled:
-                self._before_mixing = self.flat.array.copy()
+                self._before_mixing = self.flat.param_array.copy()
         if self.local_steps_agreement is not None and self._last_step_end is not None:
             self.local_steps_agreement.observe(step_s=self.peer.now() - self._last_step_end)
         self._round_ran = round_due
@@ -350,7 +362,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         the model from its copy taken after the last sampled local step."""
         if self._before_mixing is not None:
             self.flat.copy_to_host()  # (the device has the newest parameters now, in every mode)
-            self.consensus_estimate = relative_distance(self.flat.array, self._before_mixing)
+            self.consensus_estimate = relative_distance(self.flat.param_array, self._before_mixing)
             self._before_mixing = None
 
     def close(self) -> None:
@@ -393,6 +405,10 @@ class GossipOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state)
         # torch made new group and state objects: the wrapped optimizer takes them (and its defaults)
         self.optimizer.__setstate__({"state": self.state, "param_groups": self.param_groups})
+        if self._mixed_momentum:
+            with self._lock:
+                rebind(self.optimizer, self._params, self._mixed_momentum)
+                self.flat.copy_to_host()
         if gossip is None:
             return
         with self._lock:
@@ -465,7 +481,7 @@ class GossipOptimizer(torch.optim.Optimizer):
 
     def restore(self, snapshot: Snapshot) -> None:
         """Load a snapshot from another node (validated against this model first)."""
-        reference = self.flat.array
+        reference = self.flat.param_array
         if "params" not in snapshot.tensors:
             raise StateTransferError("the snapshot has no parameters")
         for name, array in snapshot.tensors.items():
@@ -491,6 +507,9 @@ class GossipOptimizer(torch.optim.Optimizer):
                     self._load_optimizer_buffer(name.removeprefix("optimizer."), array)
                 elif name.startswith("scalar."):
                     self._load_optimizer_scalar(name.removeprefix("scalar."), array)
+            if self._mixed_momentum:
+                rebind(self.optimizer, self._params, self._mixed_momentum)
+                self.flat.copy_to_host()
         self.local_steps = int(snapshot.counters.get("local_steps", 0))
 
     def share_state(self) -> None:

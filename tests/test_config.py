@@ -270,6 +270,14 @@ INVALID = [
         "--algorithm adpsgd needs a static",
     ),
     (["simulate", "--partition", "1:2", "--nodes", "1"], "--partition: splits the nodes in two halves"),
+    (["mesh", "--mix-momentum", "--momentum", "0"], "--mix-momentum: there is no --momentum to mix (0)"),
+    (
+        ["mesh", "--mix-momentum", "--momentum", "0", "--quasi-global-momentum", "0.9"],
+        "--mix-momentum: not with --quasi-global-momentum or --local-steps",
+    ),
+    (["mesh", "--mix-momentum", "--local-steps", "10"], "--mix-momentum: not with --quasi-global-momentum"),
+    (["simulate", "--mix-momentum"], "--mix-momentum: mixes the SGD momentum of a --task's training"),
+    (["mesh", "--mix-momentum", "--algorithm", "adpsgd"], None),  # valid
     (["topology"], "NAME: give a topology NAME, or --compare"),
 ]
 

@@ -88,6 +88,7 @@ def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
                 topology=topology,
                 round_timeout=config.round_timeout,
                 compression=config.compression,
+                mix_momentum=config.mix_momentum,
             )
 
         build = training(task, config.nodes, optimizer, batch_size=config.batch_size, seed=config.seed)

@@ -79,6 +79,7 @@ class Averaging(Options):
     outer_lr: float = o.OUTER_LR.field()
     outer_momentum: float = o.OUTER_MOMENTUM.field()
     quasi_global_momentum: float = o.QUASI_GLOBAL_MOMENTUM.field()
+    mix_momentum: bool = o.MIX_MOMENTUM.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +90,11 @@ class Averaging(Options):
             not (self.quasi_global_momentum and self.local_steps),
             "--quasi-global-momentum",
             "not with --local-steps: its outer step has a momentum of its own (--outer-momentum)",
+        )
+        check(
+            not (self.mix_momentum and (self.quasi_global_momentum or self.local_steps)),
+            "--mix-momentum",
+            "not with --quasi-global-momentum or --local-steps: they take momentum steps of their own",
         )
         check(
             self.local_steps is None or self.average_every == 1,
@@ -118,6 +124,7 @@ class Averaging(Options):
             round_timeout=self.round_timeout,
             robust=self.robust,
             quasi_global_momentum=self.quasi_global_momentum,
+            mix_momentum=self.mix_momentum,
             **options,
         )
 
@@ -146,6 +153,14 @@ class TrainConfig(Averaging, LocalSGD):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.steps is None or self.duration is None, "--steps", "give --steps or --duration, not both")
+        check(
+            not self.mix_momentum or self.momentum > 0, "--mix-momentum", "there is no --momentum to mix (0)"
+        )
+        check(
+            not self.mix_momentum or self.local_ranks == 1,
+            "--mix-momentum",
+            "not with --local-ranks: each rank gossips a slice of the parameters alone",
+        )
 
     @property
     def step_budget(self) -> int | None:
@@ -314,6 +329,7 @@ class SimulateConfig(LocalSGD):
     partition: tuple[Partition, ...] = o.NETWORK_PARTITION.field()
     seed: int = o.SEED.field()
     json: bool = o.JSON.field()
+    mix_momentum: bool = o.MIX_MOMENTUM.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -321,6 +337,11 @@ class SimulateConfig(LocalSGD):
             self.model_size is None or self.task is None,
             "--model-size",
             "give --model-size or --task, not both",
+        )
+        check(
+            not self.mix_momentum or (self.task is not None and self.momentum > 0),
+            "--mix-momentum",
+            "mixes the SGD momentum of a --task's training, with --momentum > 0",
         )
         if isinstance(self.algorithm, RingAllreduce):
             check(self.task is None, "--task", "--algorithm allreduce is a time model; use --model-size")

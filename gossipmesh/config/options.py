@@ -189,6 +189,10 @@ QUASI_GLOBAL_MOMENTUM = Option(
     0.0,
     metavar="BETA",
 )
+MIX_MOMENTUM = _switch(
+    "mix each node's SGD momentum buffer along with its parameters (messages twice as large; "
+    "each node's model stays closer to the mesh's average); give it to every node"
+)
 ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 2.0)
 COMPUTE_MS = Option(
     number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0
