@@ -17,11 +17,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import numpy as np
 import torch
 
 from gossip.flat import host_vector
@@ -43,7 +41,7 @@ from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.peers import default_id, machine_peer, make_peer
 from gossipmesh.daemon.status_server import StatusServer
 from gossipmesh.daemon.trainer import Trainer
-from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_json
+from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_array, write_json
 from p2p import LocalRankPeer, Peer
 from p2p.security import insecure_warning
 
@@ -72,7 +70,13 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     group = join_local_group(config.device, collective_timeout(config)) if place is not None else None
     if group is not None and group.rank > 0:  # rank 0 keeps the machine's state, report and metrics
         config = replace(
-            config, state_dir=None, report=None, save_params=None, metrics_port=None, progress="none"
+            config,
+            state_dir=None,
+            report=None,
+            save_params=None,
+            live_params=None,
+            metrics_port=None,
+            progress="none",
         )
     task = config.task.make()
     model = config.dtype.apply(task.model(config.seed)).to(config.device)
@@ -186,17 +190,7 @@ def _save(
         )
         write_json(config.report, report)
     if config.save_params is not None:
-        _save_array(config.save_params, host_vector(model.parameters()))
-
-
-def _save_array(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as stream:
-        np.save(stream, array, allow_pickle=False)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
+        write_array(config.save_params, host_vector(model.parameters()))
 
 
 # -- command line ---------------------------------------------------------------------------------

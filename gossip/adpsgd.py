@@ -6,9 +6,9 @@ the model with one neighbour at a time: an *active* node sends its model to a *p
 neighbour, which atomically replaces its own with the mean of the two and answers with its
 model from before; the active node then moves by half the difference between the answer and
 what it sent, so the local steps it took while waiting count in full (the mean of its model
-*now* and the answer would keep half of them: the mesh would lose the other half). Nodes are split into
-actives and passives by the graph's 2-colouring (even and odd positions when it has none), so
-two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
+*now* and the answer would keep half of them: the mesh would lose the other half). Nodes are
+split into actives and passives by the graph's 2-colouring (even and odd positions when it has
+none), so two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
 but keeps exchanging at the speed of the network, so its model stays with the others.
 
 Each model carries a version: a node's count of local steps, raised to the partner's on every

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gossip import GossipStatistics
 from p2p import TransportStats
 
@@ -177,6 +179,20 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_array(path: Path, array: np.ndarray, *, sync: bool = True) -> None:
+    """Write ``array`` (.npy) so that ``path`` is always either the old file or the whole new
+    one; ``sync``: on disk before it replaces the old one (a final model), not only in the page
+    cache (a live copy rewritten every second)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as stream:
+        np.save(stream, array, allow_pickle=False)
+        if sync:
+            stream.flush()
+            os.fsync(stream.fileno())
+    os.replace(tmp, path)
 
 
 def json_safe(value: Any) -> Any:

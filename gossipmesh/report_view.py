@@ -1,10 +1,11 @@
 """A run report for people: a table of the nodes (where their time went) and a figure.
 
 The figure has four panels against wall time: held-out loss and accuracy per node (with the
-accuracy of the average of the final models), the nodes' consensus distance estimates (with the
-final measured distance), and bytes sent per second per node. The mesh's faults are drawn on
-every panel: kills (red), joins (green) and graceful leaves (orange) as lines, pauses as shaded
-spans, and the moment the survivors declared a node dead (dotted).
+accuracy of the average model: estimated during the run, and of the final models), the nodes'
+consensus distance estimates (with the final measured distance), and bytes sent per second per
+node. The mesh's faults are drawn on every panel: kills (red), joins (green) and graceful leaves
+(orange) as lines, pauses as shaded spans, and the moment the survivors declared a node dead
+(dotted).
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
         if len(t) > 1:
             rate = np.diff(_series(timeline, "bytes_sent")) / np.maximum(np.diff(t), 1e-9)
             rate_axis.plot((t[1:] + t[:-1]) / 2, rate, linewidth=1)
+    estimates = report.get("average_model_timeline") or []
+    if estimates:
+        accuracy_axis.plot(
+            [e["t"] for e in estimates], [e["accuracy"] for e in estimates], "k--", linewidth=1.5, zorder=3
+        )
     average = report.get("average_model")
     if average:
         accuracy_axis.scatter(
@@ -71,7 +77,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         consensus_axis.set_yscale("log")
     titles = (
         (loss_axis, "held-out loss"),
-        (accuracy_axis, "held-out accuracy (* the average of the final models)"),
+        (accuracy_axis, "held-out accuracy (-- the average model, * of the final models)"),
         (consensus_axis, "consensus distance (estimate per node; * measured at the end)"),
         (rate_axis, "bytes sent per second"),
     )

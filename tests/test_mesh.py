@@ -58,6 +58,13 @@ def test_default_mesh_trains_every_node_to_target(tmp_path: Path) -> None:
     # the mean of the final models, evaluated by the launcher: no worse than its worst node
     assert report["average_model"]["accuracy"] >= min(accuracies) - 0.01
     assert "of the average model" in result.stdout
+    # estimated during the run from the nodes' live copies: no worse than the worst node then
+    estimates = report["average_model_timeline"]
+    assert estimates and [e["t"] for e in estimates] == sorted(e["t"] for e in estimates)
+    for estimate in estimates:  # (from copies up to a second old)
+        assert 1 <= estimate["nodes"] <= 4
+        then = [p["accuracy"] for n in nodes for p in n["timeline"] if abs(p["t"] - estimate["t"]) <= 2.0]
+        assert estimate["accuracy"] >= min(then) - 0.05, (estimate, min(then))
 
 
 @pytest.mark.mesh

@@ -192,6 +192,7 @@ class NodeConfig(TrainConfig):
     byzantine: Corruption | None = o.BYZANTINE.field()
     report: Path | None = o.REPORT.field()
     save_params: Path | None = o.SAVE_PARAMS.field()
+    live_params: Path | None = o.LIVE_PARAMS.field()
     slowdown: float = o.SLOWDOWN.field()
     threads: int = o.THREADS.field()
     progress: str = o.PROGRESS.field()

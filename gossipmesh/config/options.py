@@ -286,6 +286,11 @@ BYZANTINE = Option(
 )
 REPORT = Option(Path, "write the run report (JSON) here")
 SAVE_PARAMS = Option(Path, "write the final flat parameters (.npy) here")
+LIVE_PARAMS = Option(
+    Path,
+    "rewrite the current flat parameters (.npy) here about once a second while training (what a "
+    "local mesh estimates its average model from)",
+)
 SLOWDOWN = Option(number(float, at_least=1), "make every step this many times longer", 1.0)
 THREADS = Option(number(int, at_least=0), "torch compute threads (0: torch's default)", 0, metavar="N")
 PROGRESS = Option(

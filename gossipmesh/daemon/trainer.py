@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gossip.flat import host_vector
 from gossip.local_group import LocalGroup
 from gossip.state_fetch import TransferStats
 from gossipmesh.config import NodeConfig
@@ -31,7 +32,7 @@ from gossipmesh.daemon.local_ranks import data_shard
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.pacing import StepPacer
 from gossipmesh.daemon.recorder import Recorder
-from gossipmesh.report import Progress, TimelinePoint
+from gossipmesh.report import Progress, TimelinePoint, write_array
 from gossipmesh.tasks import Batches, Evaluation, Task
 from p2p import LocalRankPeer, Peer
 from p2p.ratelimit import QuietLog
@@ -39,6 +40,7 @@ from p2p.ratelimit import QuietLog
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
 CHECKPOINT_RETRY_S = 10.0  # a checkpoint that failed (disk full...) is tried again after this
+LIVE_PARAMS_EVERY_S = 1.0  # --live-params: the least time between two copies
 log = logging.getLogger(__name__)
 
 
@@ -89,6 +91,7 @@ class Trainer:
         self._batches: Batches | None = None
         self._checkpoint_retry_at: float | None = None  # set while a failed checkpoint waits
         self._checkpoint_log = QuietLog(log, interval_s=60.0)
+        self._live_params_at = -math.inf  # when the next --live-params copy is due
 
     @property
     def steps(self) -> int:
@@ -207,6 +210,12 @@ class Trainer:
         return self.config.dtype.autocast(torch.device(self.config.device))
 
     def _evaluate(self) -> Evaluation:
+        """A timeline point's evaluation (under the model lock); with ``--live-params``, a copy
+        of the parameters too, at most every ``LIVE_PARAMS_EVERY_S``."""
+        live = self.config.live_params
+        if live is not None and time.monotonic() >= self._live_params_at:
+            write_array(live, host_vector(self.model.parameters()), sync=False)
+            self._live_params_at = time.monotonic() + LIVE_PARAMS_EVERY_S
         with self._autocast():
             return self.task.evaluate(self.model)
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
-import torch
 
 from gossip import consensus_distance
 from gossipmesh import report_view
@@ -41,6 +40,7 @@ from gossipmesh.config import ConfigError, MeshConfig, as_flags, summary
 from gossipmesh.config.values import ChaosAction
 from gossipmesh.console import LiveTable
 from gossipmesh.mesh import netns
+from gossipmesh.mesh.average import AverageModel, LiveAverage
 from gossipmesh.mesh.node_process import NodeMain, NodeProcess, preload_for_nodes
 from gossipmesh.report import build_report, write_json
 from p2p.address import free_ports
@@ -55,9 +55,16 @@ class Mesh:
     """The processes of one local mesh and its fault schedule."""
 
     def __init__(
-        self, config: MeshConfig, node_main: NodeMain, run_dir: Path, hosts: list[netns.Host] | None = None
+        self,
+        config: MeshConfig,
+        node_main: NodeMain,
+        run_dir: Path,
+        hosts: list[netns.Host] | None = None,
+        *,
+        live_params: bool = False,
     ) -> None:
         self.config = config
+        self.live_params = live_params  # nodes rewrite a copy of their parameters (mesh.average)
         self.hosts = hosts  # a namespace host per node, joiners' included (None: 127.0.0.1)
         self.node_main = node_main
         self.run_dir = run_dir
@@ -86,6 +93,7 @@ class Mesh:
             "--expect", str(expect),
             "--report", str(node.report),
             "--save-params", str(node.params),
+            *(["--live-params", str(node.live_params)] if self.live_params else []),
             "--progress", "json",
             "--clock-origin", repr(self.origin),
             "--slowdown", str(self._slowdown.get(rank, 1.0)),
@@ -171,12 +179,14 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     )
     stop = threading.Event()
     with _hosts(config) as hosts, _forward_termination(stop):
-        mesh = Mesh(config, node_main, run_dir, hosts)
+        average = AverageModel(config)
+        mesh = Mesh(config, node_main, run_dir, hosts, live_params=average.live)
         first_port, *other_ports = free_ports(config.nodes, block=config.local_ranks)
         first = mesh.start_node(first_port, None, expect=config.nodes)
         for port in other_ports:
             mesh.start_node(port, first.address, expect=config.nodes)
-        _watch(mesh, config.chaos(), stop, LiveTable(stream, interactive=stream.isatty()))
+        live = LiveAverage(average, mesh.origin) if average.live else None
+        _watch(mesh, config.chaos(), stop, LiveTable(stream, interactive=stream.isatty()), live)
         wire = {n.id: netns.sent_bytes(h) for n, h in zip(mesh.nodes, hosts, strict=False)} if hosts else {}
     results = [node.result() for node in mesh.nodes]
     ended = [r for r in results if r["status"] in ("finished", "killed")]
@@ -189,7 +199,8 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
         consensus_distance=round(consensus_distance(finals), 8) if finals else None,
         membership_events=[e for n in mesh.nodes for e in n.membership_events()],
     )
-    report["average_model"] = _average_model(config, finals)
+    report["average_model"] = average.evaluate(finals)
+    report["average_model_timeline"] = live.timeline if live is not None else []
     report["chaos_events"] = mesh.chaos
     report["links"] = _links(config, mesh.nodes, wire)
     write_json(report_path, report)
@@ -201,9 +212,12 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     return 0 if len(ended) == len(results) else 1
 
 
-def _watch(mesh: Mesh, schedule: list[ChaosAction], stop: threading.Event, table: LiveTable) -> None:
-    """Until every node exits: read progress, run the fault schedule, refresh the table; on
-    ``stop``, terminate the nodes (and kill them after ``STOP_GRACE_S``)."""
+def _watch(
+    mesh: Mesh, schedule: list[ChaosAction], stop: threading.Event, table: LiveTable, live: LiveAverage | None
+) -> None:
+    """Until every node exits: read progress, run the fault schedule, refresh the table (its
+    header with the average model's latest estimate); on ``stop``, terminate the nodes (and kill
+    them after ``STOP_GRACE_S``)."""
     pending = list(schedule)
     kill_at = None
     while pending or mesh.live():
@@ -219,6 +233,9 @@ def _watch(mesh: Mesh, schedule: list[ChaosAction], stop: threading.Event, table
             for node in mesh.nodes:
                 node.send_signal(signal.SIGKILL)
         header = f"t = {mesh.clock():6.1f} s"
+        estimate = live.poll([n.live_params for n in mesh.live()]) if live is not None else None
+        if estimate is not None:
+            header += f"   average model: accuracy {estimate['accuracy']:.3f} (at {estimate['t']:.1f} s)"
         table.update([n.row for n in mesh.nodes], header=header)
         wait = min(_REFRESH_S, max(0.0, pending[0].at - mesh.clock())) if pending else _REFRESH_S
         mesh.read_progress(wait)
@@ -272,24 +289,6 @@ def _forward_termination(stop: threading.Event) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def _average_model(config: MeshConfig, finals: list[np.ndarray]) -> dict[str, float] | None:
-    """Held-out loss and accuracy of the mean of the finished nodes' final models: what the mesh
-    has learnt as a whole (a node's own model is within its consensus distance of it)."""
-    if not finals:
-        return None
-    task = config.task.make()
-    model = config.dtype.apply(task.model(config.seed))
-    mean = torch.from_numpy(np.mean(finals, axis=0))
-    offset = 0
-    with torch.no_grad():
-        for param in model.parameters():  # (the order of gossip.flat.host_vector)
-            param.copy_(mean[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        with config.dtype.autocast(torch.device("cpu")):
-            evaluation = task.evaluate(model)
-    return {"loss": round(evaluation.loss, 6), "accuracy": round(evaluation.accuracy, 6)}
 
 
 def _print_summary(

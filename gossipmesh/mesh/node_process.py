@@ -30,6 +30,7 @@ class NodeProcess:
         self.log = run_dir / f"{self.id}.log"
         self.report = run_dir / f"{self.id}.json"
         self.params = run_dir / f"{self.id}.npy"
+        self.live_params = run_dir / f"{self.id}.live.npy"  # (--live-params)
         self.row: dict[str, Any] = {"id": self.id, "rank": rank, "status": "starting"}
         self.timeline: list[TimelinePoint] = []
         self.exit_code: int | None = None

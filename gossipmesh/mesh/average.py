@@ -1,0 +1,80 @@
+"""The mesh's average model: the mean of the nodes' parameter vectors, scored on the task's
+held-out split. At the end from the finished nodes' final models (the report's
+``average_model``); during the run from the copies each node rewrites about once a second
+(``--live-params``), for models of up to ``LIVE_MAX_BYTES``: the live table's header and the
+report's ``average_model_timeline``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gossip.flat import host_vector_bytes
+from gossipmesh.config import MeshConfig
+
+LIVE_MAX_BYTES = 16 << 20  # a larger model's nodes write no live copies: too dear each second
+LIVE_EVERY_S = 1.0  # the launcher's estimates are this far apart
+
+
+class AverageModel:
+    """The task's model, to load a mean vector into and evaluate (on the launcher's CPU)."""
+
+    def __init__(self, config: MeshConfig) -> None:
+        self._task = config.task.make()
+        self._dtype = config.dtype
+        self._model = config.dtype.apply(self._task.model(config.seed))
+        self.size = sum(p.numel() for p in self._model.parameters())
+        self.live = host_vector_bytes(self._model.parameters()) <= LIVE_MAX_BYTES
+
+    def evaluate(self, vectors: Sequence[np.ndarray]) -> dict[str, float] | None:
+        """Held-out loss and accuracy of the mean of ``vectors`` (None for none)."""
+        if not vectors:
+            return None
+        mean = torch.from_numpy(np.mean(vectors, axis=0))
+        offset = 0
+        with torch.no_grad():
+            for param in self._model.parameters():  # (the order of gossip.flat.host_vector)
+                param.copy_(mean[offset : offset + param.numel()].view_as(param))
+                offset += param.numel()
+            with self._dtype.autocast(torch.device("cpu")):
+                evaluation = self._task.evaluate(self._model)
+        return {"loss": round(evaluation.loss, 6), "accuracy": round(evaluation.accuracy, 6)}
+
+
+class LiveAverage:
+    """Estimates of the average model during the run, from the live nodes' latest copies;
+    ``origin``: the mesh clock's zero (``time.time()``), each estimate's ``t`` being the mean
+    time the copies it averages were written."""
+
+    def __init__(self, model: AverageModel, origin: float) -> None:
+        self._model = model
+        self._origin = origin
+        self._next_at = time.monotonic() + LIVE_EVERY_S
+        self.timeline: list[dict[str, float]] = []  # {"t", "loss", "accuracy", "nodes"}
+
+    def poll(self, paths: Sequence[Path]) -> dict[str, float] | None:
+        """A new estimate when one is due and a copy exists (else the last one, or None)."""
+        if time.monotonic() >= self._next_at:
+            self._next_at = time.monotonic() + LIVE_EVERY_S
+            copies = [c for c in map(self._read, paths) if c is not None]
+            estimate = self._model.evaluate([vector for vector, _ in copies])
+            if estimate is not None:
+                written = float(np.mean([at for _, at in copies])) - self._origin
+                self.timeline.append({"t": round(written, 3), **estimate, "nodes": len(copies)})
+        return self.timeline[-1] if self.timeline else None
+
+    def _read(self, path: Path) -> tuple[np.ndarray, float] | None:
+        """A node's latest copy and when it was written; None before its first (or if it is
+        not a whole vector of this model: every copy replaces the last whole, so only a node
+        writing something else)."""
+        try:
+            written = path.stat().st_mtime
+            vector = np.load(path, allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        return (vector, written) if vector.shape == (self._model.size,) else None
