@@ -18,7 +18,8 @@ from gossip.flat import host_vector_bytes
 from gossipmesh.config import MeshConfig
 
 LIVE_MAX_BYTES = 16 << 20  # a larger model's nodes write no live copies: too dear each second
-LIVE_EVERY_S = 1.0  # the launcher's estimates are this far apart
+LIVE_EVERY_S = 1.0  # the launcher's estimates are at least this far apart...
+LIVE_CPU_SHARE = 0.05  # ...and further where scoring one takes more than this share of the time
 
 
 class AverageModel:
@@ -59,10 +60,12 @@ class LiveAverage:
 
     def poll(self, paths: Sequence[Path]) -> dict[str, float] | None:
         """A new estimate when one is due and a copy exists (else the last one, or None)."""
-        if time.monotonic() >= self._next_at:
-            self._next_at = time.monotonic() + LIVE_EVERY_S
+        started = time.monotonic()
+        if started >= self._next_at:
             copies = [c for c in map(self._read, paths) if c is not None]
             estimate = self._model.evaluate([vector for vector, _ in copies])
+            took = time.monotonic() - started
+            self._next_at = started + max(LIVE_EVERY_S, took / LIVE_CPU_SHARE)
             if estimate is not None:
                 written = float(np.mean([at for _, at in copies])) - self._origin
                 self.timeline.append({"t": round(written, 3), **estimate, "nodes": len(copies)})
