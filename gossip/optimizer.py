@@ -405,14 +405,12 @@ class GossipOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state)
         # torch made new group and state objects: the wrapped optimizer takes them (and its defaults)
         self.optimizer.__setstate__({"state": self.state, "param_groups": self.param_groups})
-        if self._mixed_momentum:
-            with self._lock:
-                rebind(self.optimizer, self._params, self._mixed_momentum)
-                self.flat.copy_to_host()
-        if gossip is None:
-            return
         with self._lock:
+            if self._mixed_momentum:  # the loaded buffers into the vector gossip mixes
+                rebind(self.optimizer, self._params, self._mixed_momentum)
             self.flat.copy_to_host()
+            if gossip is None:
+                return
             self.local_steps = int(gossip["local_steps"])
             fixed = self.average_every != AUTO
             self._steps_since_round = self.local_steps % self.steps_per_round if fixed else 0
