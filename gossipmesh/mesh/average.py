@@ -23,9 +23,11 @@ LIVE_CPU_SHARE = 0.05  # ...and further where scoring one takes more than this s
 
 
 class AverageModel:
-    """The task's model, to load a mean vector into and evaluate (on the launcher's CPU)."""
+    """The task's model, to load a mean vector into and evaluate (on the launcher's CPU, on
+    one thread: the launcher shares the cores with its nodes while they train)."""
 
     def __init__(self, config: MeshConfig) -> None:
+        torch.set_num_threads(1)
         self._task = config.task.make()
         self._dtype = config.dtype
         self._model = config.dtype.apply(self._task.model(config.seed))
