@@ -236,9 +236,10 @@ class Membership:
         self._transport.call_soon(lambda: self._say_me(status=Status.LEFT, last_round=after_round))
 
     def start_at_round(self, first_round: int) -> None:
-        """Announce that this node (a late joiner) takes part in gossip rounds >= first_round."""
+        """Announce that this node (a late joiner) takes part in gossip rounds >= first_round;
+        on return its own view has it (its very next round counts it among the members)."""
         _check_round(first_round, "first_round", 0)
-        self._transport.call_soon(lambda: self._say_me(first_round=first_round))
+        self._transport.call(lambda: self._say_me(first_round=first_round))
 
     def alone(self) -> bool:
         """No other live member known (network thread)."""

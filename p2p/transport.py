@@ -90,6 +90,7 @@ _DRAIN_BATCH = 256
 _HEADER_ALLOWANCE = 1 << 16
 _HOUSEKEEPING_S = 1.0
 _FLUSH_MS = 10
+_CALL_POLL_S = 0.05  # how often a caller of call() checks that the network thread still runs
 
 
 class TransportError(RuntimeError):
@@ -364,6 +365,29 @@ class Transport:
         self._commands.append(fn)
         if threading.current_thread() is not self._thread:
             self._wake()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the network thread and return once it ran: what it changes is seen by
+        the caller's next read (at once on the network thread itself; queued for the start
+        before :meth:`start`; not at all once the network is down)."""
+        if self._thread is None:  # (it runs first thing when the thread starts)
+            self.call_soon(fn)
+            return
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+        ran = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                ran.set()
+
+        self.call_soon(run)
+        while not ran.wait(_CALL_POLL_S):
+            if self.stopped.is_set() or self._context.closed or self.failure is not None:
+                return
 
     # -- network thread ----------------------------------------------------------------------
 

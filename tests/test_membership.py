@@ -161,7 +161,9 @@ def test_joiner_waits_for_its_first_round() -> None:
             late.wait_ready(5, expect=3)
             assert wait_until(lambda: "c" in a.members(), 2)
             assert "c" not in a.members(100)  # a member, but in no round yet
+            late.transport.call_soon(lambda: time.sleep(0.3))  # a busy network thread...
             late.start_at_round(40)
+            assert "c" in late.members(40)  # ...yet at once: its first round may follow right away
             assert wait_until(lambda: "c" in b.members(40), 2)
             assert "c" not in b.members(39)
         finally:
