@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gossip.flat import host_vector
+from gossip.buffers.flat import host_vector
 from gossipmesh import logs
 from gossipmesh.cli import main as cli_main
 from gossipmesh.cli.main import USER_ERRORS
@@ -43,7 +43,7 @@ from gossipmesh.daemon.status_server import StatusServer
 from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_array, write_json
 from p2p import LocalRankPeer, Peer
-from p2p.security import insecure_warning
+from p2p.security.curve import insecure_warning
 
 log = logging.getLogger(logs.NODE_LOGGER)
 

@@ -15,7 +15,7 @@
 6. A mesh of 2 machines of 2 local ranks each (``--local-ranks 2``: one device per rank, NCCL
    inside the machine; gloo with ``--device cpu``) trains to the target with bitwise-equal
    parameters on the ranks of each machine. Needs 2 GPUs (skipped, and said, with fewer).
-5. The upload of mixed parameters overlapping the next forward pass (``gossip.staging``), in
+5. The upload of mixed parameters overlapping the next forward pass (``gossip.buffers.staging``), in
    float32 and bfloat16: the forward pass after an overlapped upload gives bitwise the output
    of one after a blocking upload, and the time of upload + forward, blocking against
    overlapped, beside the upload alone and the forward alone (the most overlap can save is the
@@ -91,7 +91,7 @@ def check_state_transfer(device: str) -> bool:
         for param in source.param_groups[0]["params"]:
             param.grad = torch.ones_like(param)
         source.optimizer.step()
-        source.local_steps = 7
+        source.step_count = 7
         done = threading.Event()
         serving = threading.Thread(target=_serve_until, args=(source, done))
         serving.start()
@@ -106,7 +106,7 @@ def check_state_transfer(device: str) -> bool:
             exact &= torch.equal(ours.detach().cpu(), theirs.detach().cpu())
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 exact &= torch.equal(newcomer.state[ours][key].cpu(), source.state[theirs][key].cpu())
-        exact &= newcomer.local_steps == 7
+        exact &= newcomer.step_count == 7
     return exact
 
 

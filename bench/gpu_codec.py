@@ -1,5 +1,5 @@
 """Checks and times the GPU path of the codecs and CHOCO (cupy on a CUDA device) against the CPU
-path (numpy): the same code (``gossip.arrays``) on either, so the GPU must compute the same bits.
+path (numpy): the same code (``gossip.buffers.arrays``) on either, so the GPU must compute the same bits.
 
 Checks, each against numpy on the same input, tolerance 0 (bit for bit):
 
@@ -41,10 +41,10 @@ import numpy as np
 import torch
 
 from gossip import CHOCO, Codec, CodecError
-from gossip.arrays import from_torch, to_device, to_host, to_torch
+from gossip.buffers.arrays import from_torch, to_device, to_host, to_torch
 from gossip.compression import INT8_BLOCK
 from gossipmesh.sim.clock import VirtualClock
-from gossipmesh.sim.network import VirtualNetwork
+from gossipmesh.sim.links import VirtualNetwork
 from topologies import Topology
 
 CHECKED = (

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import node
-from p2p.membership import PROFILES
+from p2p.membership.protocol import PROFILES
 
 
 def schedule(nodes: int, kills: int, every: float, pause: float) -> tuple[list[str], float]:

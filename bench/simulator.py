@@ -27,7 +27,7 @@ import numpy as np
 
 from gossip import Algorithm, Codec
 from gossipmesh.sim.allreduce import ring_allreduce
-from gossipmesh.sim.network import Link
+from gossipmesh.sim.links import Link
 from gossipmesh.sim.run import averaging, simulate, slowest_mode_vectors, start_vectors
 from gossipmesh.sim.scenario import Compute, Scenario, Stragglers
 from topologies import Topology, second_eigenvalue_modulus

@@ -56,7 +56,7 @@ def _node(rank: int, donors: int, params: int, endpoints: list[str], host: netns
         for param in model.parameters():
             param.grad = torch.full_like(param, 1e-3)
         optimizer.optimizer.step()  # AdamW's moments and step counts exist
-        optimizer.local_steps = 100
+        optimizer.step_count = 100
     barrier.wait()
     base = reset_peak()
     if joiner:

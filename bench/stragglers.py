@@ -143,8 +143,8 @@ def run_ddp(
 # -- the gossip arms -----------------------------------------------------------------------------
 
 
-QUASI_GLOBAL = "+qgm"  # an arm's suffix: the momentum on the model's movement (gossip.momentum)
-MIX_MOMENTUM = "+mix-momentum"  # an arm's suffix: momentum buffers mixed too (gossip.momentum_mixing)
+QUASI_GLOBAL = "+qgm"  # an arm's suffix: the momentum on the model's movement (gossip.optim.quasi_global)
+MIX_MOMENTUM = "+mix-momentum"  # an arm's suffix: momentum buffers mixed too (gossip.optim.momentum_mixing)
 
 
 def run_gossip(

@@ -1,18 +1,18 @@
 """Decentralized averaging. Opens no socket: algorithms talk to a ``PeerNetwork``."""
 
-from gossip.adpsgd import ADPSGD
-from gossip.algorithms import ALGORITHMS, Algorithm
-from gossip.averager import Averager, IncompatibleOptionsError, Needs, RoundStats
-from gossip.choco import CHOCO
+from gossip.algorithms.adpsgd import ADPSGD
+from gossip.algorithms.averager import Averager, IncompatibleOptionsError, Needs, RoundStats
+from gossip.algorithms.choco import CHOCO
+from gossip.algorithms.dpsgd import DPSGD
+from gossip.algorithms.registry import ALGORITHMS, Algorithm
+from gossip.algorithms.robust import RobustRule
+from gossip.algorithms.sgp import SGP
+from gossip.buffers.flat import FlatParameters
 from gossip.compression import CODECS, Codec, CodecError
 from gossip.consensus import consensus_distance
-from gossip.dpsgd import DPSGD
-from gossip.flat import FlatParameters
 from gossip.network import Envelope, PeerNetwork
-from gossip.optimizer import GossipOptimizer, GossipStatistics
-from gossip.outer import OuterNesterov
-from gossip.robust import RobustRule
-from gossip.sgp import SGP
+from gossip.optim.optimizer import GossipOptimizer, GossipStatistics
+from gossip.optim.outer import OuterNesterov
 
 __all__ = [
     "ADPSGD",

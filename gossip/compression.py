@@ -1,6 +1,6 @@
 """Codecs for model deltas: ``none``, ``fp16``, ``bf16``, ``int8``, ``topk:FRACTION``,
 ``randk:FRACTION`` (as in ``--compression``), and ``auto``: one of :data:`AUTO_LADDER` per
-epoch of rounds, as the mesh agreed from what its links cost (``gossip.auto_codec``).
+epoch of rounds, as the mesh agreed from what its links cost (``gossip.tuning.auto_codec``).
 
 A codec turns a float32 vector into wire frames plus a small meta dict, and back. Decoding is a
 pure function of (frames, meta, size), the same on every node, so a sender can apply to its own
@@ -26,7 +26,7 @@ with 13.8x fewer bytes than D-PSGD but ended 1.4 points lower (0.953 against 0.9
 values and a dense round every 20 (about 0.08 bytes an element a round against float32's 4),
 24.1x fewer and 0.6 points lower (0.961).
 
-Every codec runs on the array module of its input (``gossip.arrays``): numpy on the CPU, cupy
+Every codec runs on the array module of its input (``gossip.buffers.arrays``): numpy on the CPU, cupy
 kernels for a vector on a CUDA device, the same lines computing the same function. Only
 ``randk`` draws on the host, with numpy's generator on both paths, so a seed picks the same
 positions wherever the vector lives.
@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from gossip.arrays import Array, array_module
+from gossip.buffers.arrays import Array, array_module
 from topologies.spec import Params, choice, number, parse_spec, spellings
 
 INT8_BLOCK = 256  # elements sharing one int8 scale: 4 bytes of scale per 256 bytes of values
@@ -283,7 +283,7 @@ class AutoCodec(Codec):
     Dense codecs only: they keep CHOCO's step size at 1 and its convergence that of D-PSGD;
     a sparse codec changes how the mesh converges, which no link measurement can judge.
 
-    ``level_for`` (round -> rung) is the node's agreement (``gossip.auto_codec``); the optimizer
+    ``level_for`` (round -> rung) is the node's agreement (``gossip.tuning.auto_codec``); the optimizer
     binds it. Each message is encoded by :meth:`for_round`'s codec and names it."""
 
     name = "auto"

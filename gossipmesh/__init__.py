@@ -25,7 +25,7 @@ from gossip import (
     RobustRule,
     consensus_distance,
 )
-from gossip.flat import host_vector
+from gossip.buffers.flat import host_vector
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
 from gossipmesh.daemon.lifecycle import Session
 from gossipmesh.daemon.peers import connect

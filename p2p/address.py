@@ -18,7 +18,7 @@ _WILDCARDS = {"*", "0.0.0.0", "[::]"}
 OUTGOING_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # the kernel's source ports
 FIRST_PICKED_PORT = 10_000  # free_ports picks from here up to the first of those
 # the address of a node that accepts no connection (``--no-listen``): it is reached over the
-# connections it opened (``p2p.connections``)
+# connections it opened (``p2p.transport.connections``)
 INBOUND = "inbound://"
 
 

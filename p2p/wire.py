@@ -14,7 +14,7 @@ the network is ever unpickled.
 A payload larger than one chunk goes as a stream of chunk messages (:func:`encode_chunks`):
 each has the whole message's header plus ``"chunk": [index, count, offset]`` and, as frames,
 the slices of the tensors' memory that make up bytes ``offset...`` of the concatenated payload.
-``p2p.stream`` reassembles them; no ZeroMQ message is ever larger than :data:`MAX_CHUNK_BYTES`.
+``p2p.transport.reassembly`` reassembles them; no ZeroMQ message is ever larger than :data:`MAX_CHUNK_BYTES`.
 """
 
 from __future__ import annotations

@@ -33,14 +33,14 @@ from hypothesis import strategies as st
 
 from gossip import CHOCO, DPSGD, SGP
 from gossip.compression import Int8, Sparse
-from gossip.state import CHUNK, MANIFEST, REQUEST, STATE_VERSION, Assembly, Manifest, Snapshot
-from gossip.state_server import StateServer
+from gossip.state.manifest import CHUNK, MANIFEST, REQUEST, STATE_VERSION, Assembly, Manifest, Snapshot
+from gossip.state.server import StateServer
 from gossipmesh.daemon.peers import MESSAGE_KINDS
 from p2p import Peer
-from p2p.beacon import BEACON_VERSION
-from p2p.member_table import Status
-from p2p.membership import Membership
-from p2p.rejections import Rejections
+from p2p.membership.beacon import BEACON_VERSION
+from p2p.membership.protocol import Membership
+from p2p.membership.table import Status
+from p2p.security.rejections import Rejections
 from p2p.wire import WIRE_DTYPES, encode, encode_chunks
 from topologies import Topology
 

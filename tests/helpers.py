@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from gossip import Algorithm, Codec, PeerNetwork
-from gossip import averager as averager_module
+from gossip.algorithms import averager as averager_module
 from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology

@@ -27,7 +27,7 @@ from gossipmesh.daemon.checkpoint import load_newest
 from gossipmesh.mesh import netns
 from gossipmesh.mesh.node_process import NodeProcess, preload_for_nodes
 from node import main
-from p2p.security import NodeKeys, configure_client, keygen
+from p2p.security.curve import NodeKeys, configure_client, keygen
 
 PORT = 7000
 

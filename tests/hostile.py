@@ -13,9 +13,9 @@ import zmq
 from helpers import wait_until
 
 from p2p import Peer, Transport
-from p2p.beacon import BEACON_VERSION
-from p2p.member_table import Member, Status
-from p2p.security import NodeKeys, configure_client
+from p2p.membership.beacon import BEACON_VERSION
+from p2p.membership.table import Member, Status
+from p2p.security.curve import NodeKeys, configure_client
 
 
 @contextmanager

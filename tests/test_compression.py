@@ -16,9 +16,9 @@ import pytest
 from helpers import average_in_threads, run_together
 
 from gossip import CHOCO, Algorithm, Codec, CodecError, IncompatibleOptionsError, consensus_distance
-from gossip.choco import StepSize
+from gossip.algorithms.choco import StepSize
 from gossip.compression import INT8_BLOCK, SEGMENT
-from gossip.outer import OuterNesterov
+from gossip.optim.outer import OuterNesterov
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from topologies import SpecError, Topology
 

@@ -18,8 +18,8 @@ from hostile import forge_beacon, free_udp_port
 
 from gossipmesh.mesh import netns
 from p2p import Peer
-from p2p.beacon import parse_beacon
-from p2p.security import keygen
+from p2p.membership.beacon import parse_beacon
+from p2p.security.curve import keygen
 
 NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 

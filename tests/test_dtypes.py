@@ -13,8 +13,8 @@ import torch
 from helpers import run_together
 
 from gossip import Algorithm, Codec, GossipOptimizer
-from gossip.flat import FlatParameters, host_vector
-from gossip.vector import BFLOAT16
+from gossip.buffers.flat import FlatParameters, host_vector
+from gossip.buffers.vector import BFLOAT16
 from gossipmesh.daemon.peers import largest_message
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from gossipmesh.tasks import Precision

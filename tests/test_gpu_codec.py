@@ -1,4 +1,4 @@
-"""The GPU path: the array seam (``gossip.arrays``) and ``bench/gpu_codec.py``. CI has no GPU, so
+"""The GPU path: the array seam (``gossip.buffers.arrays``) and ``bench/gpu_codec.py``. CI has no GPU, so
 the bench's checks run here with numpy standing in for the device (every line but cupy's own);
 on a machine with a CUDA GPU and cupy they run against the device too."""
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gossip import consensus_distance
-from gossip.arrays import array_module, from_torch, to_device, to_host
+from gossip.buffers.arrays import array_module, from_torch, to_device, to_host
 from gossip.compression import INT8_BLOCK
 
 

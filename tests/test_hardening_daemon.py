@@ -29,7 +29,7 @@ from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.status_server import MAX_CONNECTIONS, StatusServer
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p import Peer, TransportError
-from p2p.membership import NOT_YET
+from p2p.membership.protocol import NOT_YET
 
 pytestmark = pytest.mark.mesh
 

@@ -11,12 +11,12 @@ import torch
 from helpers import in_background, started_peers
 
 from gossip import CHOCO, DPSGD, GossipOptimizer
-from gossip.choco import FULL, FULL_REQUEST, KIND
+from gossip.algorithms.choco import FULL, FULL_REQUEST, KIND
+from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
-from gossip.robust import RobustRule
-from gossip.state import MAX_WINDOW, REQUEST, Snapshot, StateTransferError
-from gossip.state_fetch import fetch_state
-from gossip.state_server import MAX_TRANSFERS, StateServer
+from gossip.state.fetch import fetch_state
+from gossip.state.manifest import MAX_WINDOW, REQUEST, Snapshot, StateTransferError
+from gossip.state.server import MAX_TRANSFERS, StateServer
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
@@ -179,7 +179,7 @@ def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
     task = config.task.make()
     joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), late)
     source = GossipOptimizer(torch.optim.SGD(task.model(1).parameters(), lr=0.1), peer=good)
-    source.local_steps = 7
+    source.step_count = 7
     impossible = Snapshot({"params": joiner.flat.array.copy()}, {"round": 1e300})
     with (
         in_background(StateServer(bad, impossible).serve),
@@ -187,7 +187,7 @@ def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
     ):
         assert join_running_mesh(late, joiner, 20, lambda: False) is not None  # type: ignore[arg-type]
     np.testing.assert_array_equal(joiner.flat.array, source.flat.array)
-    assert joiner.local_steps == 7 and joiner.round == 2  # good's round 0 + the lead
+    assert joiner.step_count == 7 and joiner.round == 2  # good's round 0 + the lead
 
 
 def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:

@@ -16,10 +16,10 @@ from hostile import connect, fake_members, record_of
 from test_security import curve_for, curve_peers, make_keys
 
 from p2p import Peer, Transport, membership
-from p2p.connections import MAX_CONNECTIONS
-from p2p.member_table import Status
-from p2p.membership import NEW_MEMBERS_BURST
-from p2p.security import NodeKeys
+from p2p.membership.protocol import NEW_MEMBERS_BURST
+from p2p.membership.table import Status
+from p2p.security.curve import NodeKeys
+from p2p.transport.connections import MAX_CONNECTIONS
 
 pytestmark = pytest.mark.mesh
 

@@ -18,14 +18,14 @@ from helpers import addresses, raw_dealer, started_peers, started_transport, wai
 from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port
 from test_security import curve_for, curve_peers, make_keys
 
-import p2p.connections
-import p2p.stream
+import p2p.transport.connections
+import p2p.transport.reassembly
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.peers import make_peer
 from p2p import AddressError, Message, Peer, Transport, TransportError
 from p2p.address import parse_endpoint
-from p2p.membership import BEACON_CONTACTS_PER_S
-from p2p.security import NodeKeys, keygen
+from p2p.membership.protocol import BEACON_CONTACTS_PER_S
+from p2p.security.curve import NodeKeys, keygen
 from p2p.wire import encode, encode_chunks
 
 pytestmark = pytest.mark.mesh
@@ -158,7 +158,7 @@ def test_a_trusted_peer_cannot_make_a_node_dial_without_bound(
 ) -> None:
     """Item 2, through a trusted insider: replies to 200 addresses of its choosing, and ping
     requests for 100 addresses that are no member's."""
-    monkeypatch.setattr(p2p.connections, "UNVERIFIED_S", 1.0, raising=False)
+    monkeypatch.setattr(p2p.transport.connections, "UNVERIFIED_S", 1.0, raising=False)
     trusted = make_keys(tmp_path, "a", "b", "m")
     with curve_peers(tmp_path, ["a", "b"], trusted) as (a, _):
         assert wait_until(lambda: a.members() == {"a", "b"}, 20)
@@ -176,7 +176,7 @@ def test_a_trusted_peer_cannot_make_a_node_dial_without_bound(
                 for i, t in enumerate(targets)
             ]
             _paced(insider, a, "ping_req", probes, a_key)
-            assert _sockets(a) <= before + p2p.connections.MAX_UNVERIFIED + 1
+            assert _sockets(a) <= before + p2p.transport.connections.MAX_UNVERIFIED + 1
             assert a.stats.dropped["ping_req_not_a_member"] == 100
             assert wait_until(lambda: _sockets(a) <= before + 1, 10)  # replies' connections closed
             assert a.transport.failure is None
@@ -318,7 +318,7 @@ def test_unfinished_streams_are_forgotten_and_their_memory_freed(monkeypatch: py
     """Item 8: eight made-up senders each send the first 4 MB chunk of an 8 MB stream, and no
     more (as a sender killed mid-stream does)."""
     # none expires while the eight come in (with 1 s, under two CPU hogs, some did)
-    monkeypatch.setattr(p2p.stream, "IDLE_S", 300.0)
+    monkeypatch.setattr(p2p.transport.reassembly, "IDLE_S", 300.0)
     with started_transport("rx", inbox_kinds={"params"}) as receiver:
         _first_chunks(receiver, [f"ghost-{i}" for i in range(8)], 4 << 20)
         assembler = receiver._assembler
@@ -329,11 +329,13 @@ def test_unfinished_streams_are_forgotten_and_their_memory_freed(monkeypatch: py
 
 
 def test_a_node_receives_a_bounded_number_of_streams_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(p2p.stream, "IDLE_S", 300.0)  # (none may expire while the test runs)
+    monkeypatch.setattr(p2p.transport.reassembly, "IDLE_S", 300.0)  # (none may expire while the test runs)
     with started_transport("rx", inbox_kinds={"params"}) as receiver:
-        _first_chunks(receiver, [f"ghost-{i}" for i in range(p2p.stream.MAX_STREAMS + 4)], 64 << 10)
+        _first_chunks(
+            receiver, [f"ghost-{i}" for i in range(p2p.transport.reassembly.MAX_STREAMS + 4)], 64 << 10
+        )
         assert wait_until(lambda: receiver.stats.rejected == {"too_many_streams": 4}, 10)
-        assert receiver._assembler.in_progress == p2p.stream.MAX_STREAMS
+        assert receiver._assembler.in_progress == p2p.transport.reassembly.MAX_STREAMS
 
 
 def test_a_table_larger_than_one_message_syncs() -> None:
@@ -367,7 +369,7 @@ def test_refused_handshakes_are_logged_at_a_bounded_rate(
     stranger = NodeKeys.load(tmp_path / "keys" / "x", "x")
     a_key = NodeKeys.load(tmp_path / "keys" / "a", "a").public
     with (
-        caplog.at_level(logging.WARNING, logger="p2p.security"),
+        caplog.at_level(logging.WARNING, logger="p2p.security.curve"),
         curve_peers(tmp_path, ["a"], trusted) as (a,),
     ):
         authenticator = a.transport._authenticator

@@ -12,7 +12,7 @@ import pytest
 from helpers import addresses, run_example
 
 from gossip import consensus_distance
-from p2p.security import keygen
+from p2p.security.curve import keygen
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
 STEPS = 60

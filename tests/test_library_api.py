@@ -16,7 +16,7 @@ from helpers import addresses, run_example, run_together
 from gossip import GossipOptimizer, consensus_distance
 from gossip.phases import PHASES
 from gossipmesh.sim.memory import MemoryNetwork
-from p2p.security import keygen
+from p2p.security.curve import keygen
 from topologies import Topology
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sine_regression.py"

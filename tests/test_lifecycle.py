@@ -73,7 +73,7 @@ def test_two_start_together_a_third_joins_with_their_state_and_all_leave_cleanly
         p.numel() for p in models[2].parameters()
     )
     assert c.transfer.chunks.keys() <= {"a", "b"}
-    assert c.optimizer.local_steps >= 200 + 100  # it went on from the members' step count
+    assert c.optimizer.step_count >= 200 + 100  # it went on from the members' step count
     for i in range(3):
         assert task.evaluate(models[i]).accuracy >= 0.9
     for s in sessions.values():  # every node left: its network is closed, nothing of it runs
@@ -97,7 +97,7 @@ def test_a_session_checkpoints_and_a_new_one_resumes_from_it(tmp_path: Path) -> 
     optimizer = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
     with Session(config, fresh, optimizer) as resumed:
         assert resumed.resumed_from == tmp_path / "checkpoint-000000000035.safetensors"
-        assert resumed.optimizer.local_steps == 35
+        assert resumed.optimizer.step_count == 35
         for ours, theirs in zip(fresh.parameters(), trained, strict=True):
             torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=0)
             assert optimizer.state[ours]["momentum_buffer"].abs().sum() > 0

@@ -1,6 +1,6 @@
 """Machines of several local ranks: one member per machine, gradients averaged inside it, each
-rank gossiping its slice with the same rank of the other machines (``gossip.local_group``,
-``p2p.local_rank``, ``gossipmesh node --local-ranks``)."""
+rank gossiping its slice with the same rank of the other machines (``gossip.optim.local_group``,
+``p2p.endpoint.local_rank``, ``gossipmesh node --local-ranks``)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,17 @@ from host_mesh import HostMesh
 
 import gossipmesh
 from gossip import GossipOptimizer
-from gossip.algorithms import Algorithm
+from gossip.algorithms.registry import Algorithm
+from gossip.buffers.vector import BFLOAT16, Layout
 from gossip.compression import Codec
-from gossip.local_group import LocalGroup
-from gossip.vector import BFLOAT16, Layout
+from gossip.optim.local_group import LocalGroup
 from gossipmesh.daemon.checkpoint import load_newest
 from gossipmesh.daemon.local_ranks import rank_endpoint
 from gossipmesh.mesh import netns
 from p2p import LocalRankPeer, Peer
 from p2p.address import free_ports
-from p2p.local_rank import decode_view, encode_view
-from p2p.member_table import ConflictError, Member, MemberTable, Status
+from p2p.endpoint.local_rank import decode_view, encode_view
+from p2p.membership.table import ConflictError, Member, MemberTable, Status
 
 MACHINE = Member("m0", "tcp://10.0.0.1:7000", 5, 0, Status.ALIVE, key="", ranks=("tcp://10.0.0.1:7001",))
 
@@ -366,7 +366,7 @@ def _scaled_rank(machine: int, rank: int, master_port: int, listen: list[str], r
             scaler.update()
             scales.append(scaler.get_scale())
             digests.append(hashlib.blake2b(optimizer.flat.array.tobytes(), digest_size=8).hexdigest())
-        results.put((machine, rank, (scales, digests, optimizer.local_steps)))
+        results.put((machine, rank, (scales, digests, optimizer.step_count)))
         optimizer.close()
         network.close()
     except BaseException:
@@ -432,7 +432,7 @@ def test_a_users_loop_under_torchrun_is_one_member_per_machine_with_a_session(tm
         assert rank_address == f"tcp://127.0.0.1:{ports[machine] + 1}"
         assert abs(first[-1] - 1.0) < 0.3, first[-1]  # offsets 0 and 2: averaged towards 1
         checkpoint = load_newest(tmp_path / f"m{machine}")  # the machine's last, by rank 0
-        assert checkpoint is not None and checkpoint.counters["local_steps"] == STEPS
+        assert checkpoint is not None and checkpoint.counters["steps"] == STEPS
         assert np.array_equal(checkpoint.tensors["params"], first)
 
 

@@ -1,4 +1,4 @@
-"""Self-tuning local steps and compression (``gossip.local_steps``, ``gossip.auto_codec``): the
+"""Self-tuning local steps and compression (``gossip.tuning.auto_period``, ``gossip.tuning.auto_codec``): the
 mesh agrees on one H, and one codec, per epoch of rounds, raising H or the compression where
 rounds are dear (a slow link) and keeping them low where they are cheap."""
 
@@ -16,11 +16,11 @@ import torch
 from helpers import run_together
 
 from gossip import Algorithm, Codec, CodecError, GossipOptimizer, IncompatibleOptionsError, PeerNetwork
-from gossip.agreement import EPOCH_ROUNDS
-from gossip.auto_codec import CodecAgreement
 from gossip.compression import AutoCodec
-from gossip.local_steps import LocalStepsAgreement
 from gossip.network import PeerWrapper
+from gossip.tuning.agreement import EPOCH_ROUNDS
+from gossip.tuning.auto_codec import CodecAgreement
+from gossip.tuning.auto_period import PeriodAgreement
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import Topology
 
@@ -92,8 +92,8 @@ def _decisions(send_s: float) -> tuple[list[list[tuple[int, int]]], float]:
     optimizers, error = _mesh(lambda peer: SlowLink(peer, send_s), average_every="auto")
     decisions = []
     for optimizer in optimizers:
-        assert optimizer.local_steps_agreement is not None
-        decisions.append(optimizer.local_steps_agreement.history)
+        assert optimizer.period_agreement is not None
+        decisions.append(optimizer.period_agreement.history)
     return decisions, error
 
 
@@ -113,14 +113,14 @@ def test_the_mesh_agrees_on_a_large_h_over_a_slow_link_and_a_small_one_over_a_fa
 
 
 def test_a_node_that_missed_the_agreement_takes_the_larger_h_in_force() -> None:
-    behind = LocalStepsAgreement()
+    behind = PeriodAgreement()
     assert behind.value_for(5 * EPOCH_ROUNDS) == 1  # resumed far ahead: nothing heard yet
     behind.incoming([5, 30, 30])
     assert behind.value_for(5 * EPOCH_ROUNDS + 1) == 30
     for hostile in ([5, 10**9, 1], [5, 1], "x", [5.0, 1, 1], [-1, 1, 1]):
         behind.incoming(hostile)  # ignored
     assert behind.value_for(5 * EPOCH_ROUNDS + 2) == 30
-    outer = LocalStepsAgreement(min_h=10)  # with the outer step: never below 10, whatever is heard
+    outer = PeriodAgreement(min_h=10)  # with the outer step: never below 10, whatever is heard
     outer.incoming([1, 1, 1])
     assert outer.value_for(EPOCH_ROUNDS) == 10 and outer.value_for(2 * EPOCH_ROUNDS) == 10
 
@@ -128,7 +128,7 @@ def test_a_node_that_missed_the_agreement_takes_the_larger_h_in_force() -> None:
 def test_epochs_far_ahead_of_a_nodes_own_rounds_are_not_taken() -> None:
     """A neighbour two epochs ahead (or a hostile one counting epochs up) once made a node drop
     the epoch it was still in, and its next round failed (a 4-node CHOCO mesh on loopback)."""
-    node = LocalStepsAgreement()
+    node = PeriodAgreement()
     assert node.value_for(0) == 1
     for epoch in range(1, 50):
         node.incoming([epoch, 40, 40])

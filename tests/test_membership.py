@@ -8,8 +8,8 @@ import pytest
 from helpers import addresses, started_peers, wait_until
 
 from p2p import Peer, TransportError
-from p2p.member_table import Member, MemberTable, Status, refuted
-from p2p.membership import PROFILES, Membership
+from p2p.membership.protocol import PROFILES, Membership
+from p2p.membership.table import Member, MemberTable, Status, refuted
 
 A = "tcp://127.0.0.1:7001"
 

@@ -1,4 +1,4 @@
-"""Quasi-global momentum (``gossip.momentum``): on heterogeneous data, momentum on the model's
+"""Quasi-global momentum (``gossip.optim.quasi_global``): on heterogeneous data, momentum on the model's
 movement (mixing included) does not amplify each node's pull towards its own optimum as local
 momentum does, and the mesh still converges to the common optimum."""
 

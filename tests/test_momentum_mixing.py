@@ -1,4 +1,4 @@
-"""Mixing SGD's momentum buffers with the parameters (``gossip.momentum_mixing``): the buffers
+"""Mixing SGD's momentum buffers with the parameters (``gossip.optim.momentum_mixing``): the buffers
 are views of the vector every algorithm averages, stay so across a checkpoint and a state
 transfer, and bring the mesh's mean to what one model trained on the whole mesh's batch does."""
 
@@ -12,8 +12,8 @@ import torch
 from helpers import full_waits, run_together
 
 from gossip import Algorithm, FlatParameters, GossipOptimizer, IncompatibleOptionsError
+from gossipmesh.sim.links import VirtualPeer
 from gossipmesh.sim.memory import MemoryNetwork
-from gossipmesh.sim.network import VirtualPeer
 from gossipmesh.sim.run import simulate
 from gossipmesh.sim.scenario import Compute, Scenario
 from gossipmesh.sim.training import model_nbytes, training

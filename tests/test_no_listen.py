@@ -11,10 +11,10 @@ from test_security import curve_for, make_keys
 
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, load
 from p2p import Peer, Transport, TransportError
-from p2p.member_table import Member, Status
+from p2p.membership.table import Member, Status
 from p2p.wire import CHUNK_BYTES
 from topologies import Topology
-from topologies.membership import mixing_row
+from topologies.members import mixing_row
 
 
 def _record(peer: Peer, node_id: str) -> Member | None:

@@ -132,10 +132,13 @@ def test_json_log_lines_are_one_object_per_event(capsys: pytest.CaptureFixture[s
         logging.getLogger(logs.NODE_LOGGER).info(
             "step 5", extra={"fields": {"step": 5, "loss": float("nan")}}
         )
-        logging.getLogger("gossip.averager").warning("ring is not defined for %d members", 2)
+        logging.getLogger("gossip.algorithms.averager").warning("ring is not defined for %d members", 2)
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
     first, second = (json.loads(line) for line in capsys.readouterr().err.splitlines())
     assert (first["message"], first["step"], first["loss"], first["level"]) == ("step 5", 5, None, "info")
-    assert (second["logger"], second["message"]) == ("gossip.averager", "ring is not defined for 2 members")
+    assert (second["logger"], second["message"]) == (
+        "gossip.algorithms.averager",
+        "ring is not defined for 2 members",
+    )
     assert second["time"].endswith("+00:00")

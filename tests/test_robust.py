@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gossip.robust import RobustRule
+from gossip.algorithms.robust import RobustRule
 from node import main
 from topologies import SpecError
 

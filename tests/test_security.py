@@ -17,8 +17,8 @@ from helpers import addresses, average_in_threads, raw_dealer, started_transport
 from hostile import connect
 
 from p2p import Peer, Transport
-from p2p.rejections import Rejections
-from p2p.security import Curve, NodeKeys, SecurityError, TrustedKeys, _TrustedProvider, keygen
+from p2p.security.curve import Curve, NodeKeys, SecurityError, TrustedKeys, _TrustedProvider, keygen
+from p2p.security.rejections import Rejections
 from p2p.wire import encode
 
 

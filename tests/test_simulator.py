@@ -19,8 +19,8 @@ from gossipmesh.cli import parse_config
 from gossipmesh.cli import simulate as simulate_command
 from gossipmesh.config import SimulateConfig
 from gossipmesh.sim.clock import VirtualClock
+from gossipmesh.sim.links import Link, VirtualNetwork
 from gossipmesh.sim.memory import MemoryNetwork
-from gossipmesh.sim.network import Link, VirtualNetwork
 from gossipmesh.sim.run import SimResult, averaging, simulate, slowest_mode_vectors, start_vectors
 from gossipmesh.sim.scenario import Compute, Crash, Scenario, Stragglers, split_in_halves
 from node import main

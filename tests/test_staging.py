@@ -1,4 +1,4 @@
-"""The staged upload that overlaps the next forward pass (``gossip.staging``), on the CPU: a copy
+"""The staged upload that overlaps the next forward pass (``gossip.buffers.staging``), on the CPU: a copy
 stream that runs a chunk's copy only when the compute side waits for it, the slowest a CUDA
 copy stream could be, shows each module waiting for its own parameters and for nothing else."""
 
@@ -12,7 +12,7 @@ from helpers import run_together
 from torch.func import functional_call
 
 from gossip import FlatParameters, GossipOptimizer
-from gossip.staging import plan_chunks
+from gossip.buffers.staging import plan_chunks
 from gossipmesh.sim.memory import MemoryNetwork
 
 CHUNK = 100  # elements: a 16x16 layer (272 values) spans three chunks

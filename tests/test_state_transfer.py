@@ -15,10 +15,11 @@ import pytest
 import torch
 from helpers import in_background, started_peers, wait_until
 
-import gossip.state_server
+import gossip.state.server
 from gossip import GossipOptimizer
 from gossip.network import PeerNetwork, PeerWrapper
-from gossip.state import (
+from gossip.state.fetch import fetch_state
+from gossip.state.manifest import (
     CHUNK,
     MANIFEST,
     MAX_WINDOW,
@@ -28,8 +29,7 @@ from gossip.state import (
     StateTransferError,
     StateView,
 )
-from gossip.state_fetch import fetch_state
-from gossip.state_server import StateServer
+from gossip.state.server import StateServer
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import Topology
 
@@ -75,7 +75,7 @@ def _state(seed: int = 0, size: int = 1000) -> Snapshot:
             "params": rng.standard_normal(size).astype(np.float32),
             "optimizer.momentum_buffer": rng.standard_normal(size).astype(np.float32),
         },
-        {"local_steps": 120, "round": 120, "rounds_per_s": 30.0},
+        {"steps": 120, "round": 120, "rounds_per_s": 30.0},
     )
 
 
@@ -265,7 +265,7 @@ def test_a_newcomer_takes_the_model_optimizer_and_counters_of_members_and_trains
             params = optimizer.param_groups[0]["params"]
             sum(p.sum() for p in params).backward()
             optimizer.optimizer.step()  # Adam's moments
-            optimizer.local_steps = 50
+            optimizer.step_count = 50
         new_params, old_params = (
             optimizers[2].param_groups[0]["params"],
             optimizers[0].param_groups[0]["params"],
@@ -278,7 +278,7 @@ def test_a_newcomer_takes_the_model_optimizer_and_counters_of_members_and_trains
             torch.testing.assert_close(new, old)
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(optimizers[2].state[new][key], optimizers[0].state[old][key])
-        assert optimizers[2].local_steps == 50
+        assert optimizers[2].step_count == 50
         assert first_round >= 2 and optimizers[2].round == first_round
         # the announcement travels on the network thread: under load it may take a moment
         assert wait_until(lambda: "new" not in peers[0].members(first_round - 1), 10)
@@ -336,7 +336,7 @@ def test_a_requester_that_asks_slowly_is_served_without_a_new_manifest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A slow link: requests further apart than the source's RETRY_S still get chunks."""
-    monkeypatch.setattr(gossip.state_server, "RETRY_S", 0.05)
+    monkeypatch.setattr(gossip.state.server, "RETRY_S", 0.05)
     network = MemoryNetwork()
     source, asker = network.join("source"), network.join("asker")
     server = StateServer(source, _state())

@@ -17,8 +17,8 @@ import pytest
 from helpers import addresses, peak_memory, raw_dealer, started_transport, wait_until
 
 from p2p import Transport
-from p2p.outbound import MAX_STREAMS_PER_PEER
-from p2p.stream import MAX_STREAMS_PER_SENDER, Assembler
+from p2p.transport.outbound import MAX_STREAMS_PER_PEER
+from p2p.transport.reassembly import MAX_STREAMS_PER_SENDER, Assembler
 from p2p.wire import MAX_CHUNK_BYTES, Chunk, Limits, Message, WireError, decode, encode, encode_chunks
 
 

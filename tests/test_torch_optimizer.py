@@ -81,11 +81,11 @@ def test_a_state_dict_round_trip_midway_continues_exactly(local_steps: int | Non
     model, optimizer = fresh()
     _train(model, optimizer, range(5))
     saved_model, saved = model.state_dict(), optimizer.state_dict()
-    assert saved["gossip"]["local_steps"] == 5 and ("outer_anchor" in saved["gossip"]) == bool(local_steps)
+    assert saved["gossip"]["steps"] == 5 and ("outer_anchor" in saved["gossip"]) == bool(local_steps)
     model, optimizer = fresh()
     model.load_state_dict(saved_model)
     optimizer.load_state_dict(saved)
-    assert (optimizer.local_steps, optimizer.round) == (5, 5 // (local_steps or 1))
+    assert (optimizer.step_count, optimizer.round) == (5, 5 // (local_steps or 1))
     assert optimizer.optimizer.state[model.weight]["exp_avg"].abs().sum() > 0
     _train(model, optimizer, range(5, 10))
     for ours, theirs in zip(model.parameters(), straight, strict=True):
@@ -110,7 +110,7 @@ def test_grad_scaler_steps_it_and_skips_a_step_with_an_overflow() -> None:
         scaler.step(optimizer)
         scaler.update()
         losses.append(loss.item())
-    assert optimizer.local_steps == 29 and optimizer.round == 29  # the overflowing step skipped
+    assert optimizer.step_count == 29 and optimizer.round == 29  # the overflowing step skipped
     assert torch.isfinite(model.weight).all() and losses[-1] < 0.2 * losses[0]
 
 

@@ -26,7 +26,7 @@ from helpers import (
 from gossip import DPSGD
 from p2p import Peer, Transport, TransportError
 from p2p.address import AddressError, parse_endpoint
-from p2p.pacing import SendPacer
+from p2p.transport.send_cap import SendPacer
 from p2p.wire import encode
 from topologies import Topology
 

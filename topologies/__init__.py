@@ -2,7 +2,7 @@
 
 from topologies.analysis import Analysis, analyze, second_eigenvalue_modulus
 from topologies.graphs import TopologyError
-from topologies.membership import MixingRow, member_order, mixing_row, pair_partner
+from topologies.members import MixingRow, member_order, mixing_row, pair_partner
 from topologies.schedules import active_passive, pairwise_partner
 from topologies.spec import Params, Spec, SpecError
 from topologies.topology import FAMILIES, NAMES, Topology

@@ -21,7 +21,7 @@ from gossipmesh.mesh.launcher import run_mesh
 from gossipmesh.mesh.node_process import NodeMain
 from gossipmesh.report import read_json
 from p2p import AddressError, TransportError
-from p2p.security import SecurityError, keygen
+from p2p.security.curve import SecurityError, keygen
 from topologies import TopologyError
 
 # what a user must fix (the message says how), reported without a traceback

@@ -18,7 +18,7 @@ import torch
 from gossip import GossipOptimizer
 from gossipmesh.config import SimulateConfig
 from gossipmesh.sim.allreduce import RingAllreduce, ring_allreduce
-from gossipmesh.sim.network import Link, VirtualPeer
+from gossipmesh.sim.links import Link, VirtualPeer
 from gossipmesh.sim.run import RoundPoint, SimResult, averaging, simulate, start_vectors
 from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, split_in_halves
 from gossipmesh.sim.training import model_nbytes, training

@@ -17,12 +17,12 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from gossip import Algorithm, Codec, GossipOptimizer, PeerNetwork, RobustRule
-from gossip.local_steps import check_auto
-from gossip.optimizer import AUTO
+from gossip.optim.optimizer import AUTO
+from gossip.tuning.auto_period import check_auto
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
-from gossipmesh.sim.network import Partition
+from gossipmesh.sim.links import Partition
 from gossipmesh.sim.scenario import Stragglers
 from gossipmesh.tasks import DataPartition, Precision, TaskRef
 from topologies import Topology, TopologyError

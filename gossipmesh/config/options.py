@@ -21,7 +21,7 @@ from gossipmesh.config import values
 from gossipmesh.config.values import Corruption
 from gossipmesh.logs import LOG_FORMATS
 from gossipmesh.tasks import IID, PRECISIONS, TASKS, DataPartition, Precision, TaskRef
-from p2p.membership import PROFILES
+from p2p.membership.protocol import PROFILES
 from topologies import NAMES, Topology
 from topologies.spec import choice, number
 
@@ -107,7 +107,7 @@ _PORT = number(int, at_least=1, at_most=65535)
 
 
 def _steps_or_auto(text: str) -> int | Literal["auto"]:
-    """A number of local steps >= 1, or ``auto`` (chosen by the mesh: ``gossip.local_steps``)."""
+    """A number of local steps >= 1, or ``auto`` (chosen by the mesh: ``gossip.tuning.auto_period``)."""
     if text.strip() == "auto":
         return "auto"
     try:

@@ -19,7 +19,7 @@ import torch
 
 from gossip import Algorithm, RobustRule
 from gossipmesh.sim.allreduce import RingAllreduce
-from gossipmesh.sim.network import Partition
+from gossipmesh.sim.links import Partition
 from gossipmesh.sim.scenario import Stragglers
 from p2p.address import check_node_id, parse_endpoint
 from topologies.spec import Params, Spec, SpecError, number

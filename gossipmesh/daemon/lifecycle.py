@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from gossip import GossipOptimizer
-from gossip.local_group import LocalGroup
-from gossip.state import Snapshot, StateTransferError
-from gossip.state_fetch import RETRY_S, TransferStats
+from gossip.optim.local_group import LocalGroup
+from gossip.optim.optimizer import saved_step_count
+from gossip.state.fetch import RETRY_S, TransferStats
+from gossip.state.manifest import Snapshot, StateTransferError
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, save_checkpoint
 from gossipmesh.daemon.local_ranks import (
@@ -37,7 +38,7 @@ from gossipmesh.daemon.local_ranks import (
 )
 from gossipmesh.daemon.peers import default_id, machine_peer, make_peer
 from p2p import LocalRankPeer, Peer
-from p2p.membership import NOT_YET
+from p2p.membership.protocol import NOT_YET
 from topologies import member_order
 
 SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for the others
@@ -175,7 +176,7 @@ def save_state(
     caller's ``tensors`` and ``counters``); see ``gossipmesh.daemon.checkpoint``."""
     snapshot = optimizer.snapshot()
     everything = {**snapshot.tensors, "rng.torch": torch.get_rng_state().numpy(), **(tensors or {})}
-    own = {"local_steps": optimizer.local_steps, "round": optimizer.round, "node_id": node_id}
+    own = {"steps": optimizer.step_count, "round": optimizer.round, "node_id": node_id}
     return save_checkpoint(folder, steps, everything, {**own, **(counters or {})})
 
 
@@ -185,7 +186,7 @@ def restore_state(checkpoint: Checkpoint, optimizer: GossipOptimizer) -> None:
     model_state = {
         k: v for k, v in tensors.items() if k == "params" or k.startswith(("optimizer.", "scalar."))
     }
-    optimizer.restore(Snapshot(model_state, {"local_steps": counters["local_steps"]}))
+    optimizer.restore(Snapshot(model_state, {"steps": saved_step_count(counters)}))
     torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
 
 
@@ -206,7 +207,7 @@ class Session:
     last round, tells the members, writes a last checkpoint and closes the network.
 
     Under ``torchrun --standalone --nproc-per-node N`` the N processes are one machine, one
-    member (``gossip.local_group``): every rank makes a Session with the same options (rank r
+    member (``gossip.optim.local_group``): every rank makes a Session with the same options (rank r
     takes data on the ``--listen`` port + r); each backward pass averages the gradients over
     the ranks, each rank gossips its slice of the model, rank 0 keeps the membership and the
     checkpoints. Each rank trains on its own data: ``shard`` says which part.
@@ -270,7 +271,7 @@ class Session:
         """Write a checkpoint to ``--state-dir`` now."""
         if self.config.state_dir is None:
             raise ValueError("checkpoints go to --state-dir: give the node one")
-        return save_state(self.config.state_dir, self.optimizer.local_steps, self.optimizer, self.node_id)
+        return save_state(self.config.state_dir, self.optimizer.step_count, self.optimizer, self.node_id)
 
     def close(self) -> None:
         """Leave after this node's last round, write a last checkpoint, close the network."""
@@ -283,7 +284,7 @@ class Session:
             self.peer.close()
 
     def _checkpoint_when_due(self) -> None:
-        if self.optimizer.local_steps % self.config.checkpoint_every == 0:
+        if self.optimizer.step_count % self.config.checkpoint_every == 0:
             try:
                 self.checkpoint()
             except OSError as exc:  # (training goes on: the previous checkpoint is still whole)

@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 import torch.distributed as dist
 
-from gossip.local_group import LocalGroup
+from gossip.optim.local_group import LocalGroup
 from gossipmesh.config import ConfigError, NodeConfig
 from gossipmesh.logs import NODE_LOGGER
 from p2p import TransportStats

@@ -11,16 +11,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gossip import ADPSGD, CHOCO, DPSGD, SGP, state
-from gossip.flat import host_vector_bytes
-from gossip.local_group import LocalGroup
+from gossip import ADPSGD, CHOCO, DPSGD, SGP
+from gossip.buffers.flat import host_vector_bytes
+from gossip.optim.local_group import LocalGroup
+from gossip.state import manifest as state
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.local_ranks import rank_endpoint
 from gossipmesh.logs import NODE_LOGGER
 from p2p import LocalRankPeer, Peer
 from p2p.address import split_endpoint
-from p2p.membership import PROFILES
-from p2p.security import Curve, insecure_warning
+from p2p.membership.protocol import PROFILES
+from p2p.security.curve import Curve, insecure_warning
 from p2p.wire import Limits
 
 log = logging.getLogger(NODE_LOGGER)
@@ -70,7 +71,7 @@ def machine_peer(
     clock: Callable[[], float] = time.monotonic,
     first_round: int = 0,
 ) -> Peer | LocalRankPeer:
-    """This local rank's network (see ``p2p.local_rank``): rank 0's peer, its record naming
+    """This local rank's network (see ``p2p.endpoint.local_rank``): rank 0's peer, its record naming
     the other ranks' addresses; another rank's own data endpoint (started: its address is
     what rank 0 needs), on the ``--listen`` port + its rank (``--advertise``'s, if given)."""
     if group.rank == 0:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from gossip.flat import host_vector
-from gossip.local_group import LocalGroup
-from gossip.state_fetch import TransferStats
+from gossip.buffers.flat import host_vector
+from gossip.optim.local_group import LocalGroup
+from gossip.state.fetch import TransferStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
@@ -35,7 +35,7 @@ from gossipmesh.daemon.recorder import Recorder
 from gossipmesh.report import Progress, TimelinePoint, write_array
 from gossipmesh.tasks import Batches, Evaluation, Task
 from p2p import LocalRankPeer, Peer
-from p2p.ratelimit import QuietLog
+from p2p.security.ratelimit import QuietLog
 
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
@@ -135,7 +135,7 @@ class Trainer:
     def came_in(self, transfer: TransferStats | None) -> None:
         """This node took a running mesh's state (``transfer``), resumed, or began: it goes on
         from its optimizer's step count (on a machine of local ranks, rank 0's)."""
-        self.progress.steps = self.optimizer.local_steps
+        self.progress.steps = self.optimizer.step_count
         if transfer is None:
             return
         self.progress.state_transfer = transfer.summary()

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gossip.flat import host_vector_bytes
+from gossip.buffers.flat import host_vector_bytes
 from gossipmesh.config import MeshConfig
 
 LIVE_MAX_BYTES = 16 << 20  # a larger model's nodes write no live copies: too dear each second
@@ -41,7 +41,7 @@ class AverageModel:
         mean = torch.from_numpy(np.mean(vectors, axis=0))
         offset = 0
         with torch.no_grad():
-            for param in self._model.parameters():  # (the order of gossip.flat.host_vector)
+            for param in self._model.parameters():  # (the order of gossip.buffers.flat.host_vector)
                 param.copy_(mean[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
             with self._dtype.autocast(torch.device("cpu")):

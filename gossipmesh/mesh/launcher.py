@@ -44,7 +44,7 @@ from gossipmesh.mesh.average import AverageModel, LiveAverage
 from gossipmesh.mesh.node_process import NodeMain, NodeProcess, preload_for_nodes
 from gossipmesh.report import build_report, write_json
 from p2p.address import free_ports
-from p2p.security import keygen
+from p2p.security.curve import keygen
 
 STOP_GRACE_S = 10.0
 HOST_PORT = 7000  # every namespace host's node listens here

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from p2p.inbox import Inbox
-from p2p.threads import start_thread
+from p2p.endpoint.threads import start_thread
+from p2p.transport.inbox import Inbox
 from p2p.wire import Message
 
 

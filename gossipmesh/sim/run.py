@@ -21,7 +21,7 @@ import numpy as np
 
 from gossip import Algorithm, Averager, Codec, consensus_distance
 from gossipmesh.sim.clock import VirtualClock
-from gossipmesh.sim.network import VirtualNetwork, VirtualPeer
+from gossipmesh.sim.links import VirtualNetwork, VirtualPeer
 from gossipmesh.sim.scenario import Scenario, node_id
 from topologies import Topology, member_order
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gossipmesh.sim.network import Link, Partition
+from gossipmesh.sim.links import Link, Partition
 
 STEP_STREAM, STRAGGLER_STREAM, CRASH_STREAM = 2, 3, 4  # seed streams (the network's loss draws use 1)
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from gossip import GossipOptimizer
-from gossipmesh.sim.network import VirtualPeer
+from gossipmesh.sim.links import VirtualPeer
 from gossipmesh.sim.run import NodeFactory, SimNode
 from gossipmesh.tasks import IID, Batches, Task
 

@@ -70,7 +70,7 @@ class Precision:
     ``float16``, every parameter; ``mixed``, weight matrices in bfloat16 and biases and norms
     in float32. A model narrower than float32 runs its forward passes under autocast, so a task
     written for float32 inputs trains and evaluates unchanged; gossip mixes every dtype in
-    float32 and sends each at its own width (``gossip.flat``)."""
+    float32 and sends each at its own width (``gossip.buffers.flat``)."""
 
     name: str = "float32"
 

@@ -1,0 +1,1 @@
+"""The averaging algorithms and their registry by name."""

@@ -1,0 +1,159 @@
+"""Asynchronous decentralized parallel SGD: AD-PSGD (Lian et al., ICML 2018).
+
+Training never waits for communication. A background exchanger (which the network starts:
+``PeerNetwork.start_background``, an OS thread in a mesh, a coroutine in the simulator) averages
+the model with one neighbour at a time: an *active* node sends its model to a *passive*
+neighbour, which atomically replaces its own with the mean of the two and answers with its
+model from before; the active node then moves by half the difference between the answer and
+what it sent, so the local steps it took while waiting count in full (the mean of its model
+*now* and the answer would keep half of them: the mesh would lose the other half). Nodes are
+split into actives and passives by the graph's 2-colouring (even and odd positions when it has
+none), so two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
+but keeps exchanging at the speed of the network, so its model stays with the others.
+
+Each model carries a version: a node's count of local steps, raised to the partner's on every
+exchange (a model that has absorbed a newer one is as new as it). A message whose model is more
+than ``max_staleness`` versions behind this node's is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from contextlib import AbstractContextManager
+from typing import ClassVar
+
+import numpy as np
+
+from gossip.algorithms.averager import Averager, Needs
+from gossip.buffers.vector import Frames, Layout
+from gossip.network import Envelope, PeerNetwork
+from topologies import Topology, pair_partner
+
+REQUEST, REPLY = "pair_request", "pair_reply"
+
+
+class ADPSGD(Averager):
+    """Args are those of :class:`~gossip.algorithms.averager.Averager` (``round`` is the model version),
+    plus ``interval_s``: the least time between two exchanges this node starts."""
+
+    name: ClassVar[str] = "adpsgd"
+    kinds: ClassVar[tuple[str, ...]] = (REQUEST, REPLY)
+    needs: ClassVar[Needs] = Needs(static_undirected_graph=True)  # pairs come from the 2-colouring
+    mixes_in_background: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float = 2.0,
+        lock: AbstractContextManager[object] | None = None,
+        layout: Layout | None = None,
+        max_staleness: int = 1000,
+        interval_s: float = 0.005,
+    ) -> None:
+        super().__init__(
+            peer,
+            params,
+            topology=topology,
+            round_timeout=round_timeout,
+            lock=lock,
+            max_staleness=max_staleness,
+            layout=layout,
+        )
+        self.interval_s = interval_s
+        self.exchanges = 0
+        self._exchange_ids = itertools.count(1)
+        self._version_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._exchanger = peer.start_background(f"adpsgd-{peer.node_id}", self._run)
+
+    def after_step(self) -> None:
+        with self._version_lock:
+            self.round += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._exchanger.join(timeout=5)
+
+    def report(self) -> dict[str, float]:
+        return {**super().report(), "exchanges": self.exchanges}
+
+    # -- the exchanger ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            partner = pair_partner(
+                self.topology,
+                self.peer.members(),
+                self.peer.node_id,
+                self.exchanges,
+                self.peer.not_listening(),
+            )
+            if partner is not None:
+                self._time_round()
+                self._exchange(partner)
+            self._answer_until(self.peer.now() + (self.interval_s if partner else 0.05))
+
+    def _exchange(self, partner: str) -> None:
+        """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
+        exchange = next(self._exchange_ids)
+        with self.lock:
+            sent = self.layout.pack(self.params.copy())
+        self.peer.send(partner, REQUEST, self.round, sent, {"exchange": exchange})
+        deadline = self.peer.now() + self.wait_limit()
+        while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
+            message = self.peer.recv(remaining, self.kinds)
+            if message is None:
+                if partner not in self.peer.members():
+                    return
+            elif message.kind == REQUEST:
+                self._answer(message)
+            elif message.sender == partner and message.meta.get("exchange") == exchange:
+                if self._valid(message) and self._fresh(message.round, self.round):
+                    with self.lock:
+                        self._take_half_difference(message, sent)
+                return
+            else:
+                self.dropped["stale"] += 1  # the answer to an exchange already given up
+        if not self._stop.is_set():
+            self.peer.missed(partner)
+
+    def _answer_until(self, deadline: float) -> None:
+        while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
+            message = self.peer.recv(remaining, (REQUEST,))
+            if message is not None:
+                self._answer(message)
+
+    def _answer(self, request: Envelope) -> None:
+        """The passive side: answer with our model from before, then take the mean."""
+        if not (self._valid(request) and self._fresh(request.round, self.round)):
+            return
+        version = self.round
+        with self.lock:
+            before = self.params.copy()
+            self._take_mean(request)
+        meta = {"exchange": request.meta.get("exchange")}
+        self.peer.send(request.sender, REPLY, version, self.layout.pack(before), meta)
+
+    def _take_mean(self, message: Envelope) -> None:
+        """Replace our model with the mean of it and the message's (the caller holds the lock,
+        so the exchange is atomic)."""
+        self.layout.add_scaled(self.params, message.tensors, 1.0, self._scratch)
+        self.params *= 0.5
+        self._count_exchange(message.round)
+
+    def _take_half_difference(self, answer: Envelope, sent: Frames) -> None:
+        """The active side: x += (answer - sent) / 2, the partner's model of before mixed
+        into what we sent (as the partner mixed what we sent into its own), the local steps
+        taken since kept whole. The pair's sum is what it was (in the frames' own rounding)."""
+        self.layout.add_scaled(self.params, answer.tensors, 0.5, self._scratch)
+        self.layout.add_scaled(self.params, sent, -0.5, self._scratch)
+        self._count_exchange(answer.round)
+
+    def _count_exchange(self, version: int) -> None:
+        with self._version_lock:
+            self.round = max(self.round, version)
+        self.exchanges += 1

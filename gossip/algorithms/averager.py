@@ -1,0 +1,227 @@
+"""What every averaging algorithm shares: the flat parameters, the wait policy, each round's row
+of the topology, message checks, staleness bounds and the counters a node reports.
+
+An algorithm subclasses :class:`Averager` and implements :meth:`Averager.after_step`, which the
+training loop calls after local steps; synchronous algorithms gossip there, asynchronous ones
+only signal their background exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+from collections import Counter, deque
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from gossip.buffers.vector import Layout, all_finite, scratch_for
+from gossip.network import Envelope, PeerNetwork
+from topologies import FAMILIES, MixingRow, Topology, mixing_row
+
+WAIT_FACTOR = 10.0
+MIN_WAIT_S = 0.05
+RECENT_ROUNDS = 32
+log = logging.getLogger(__name__)
+
+
+class IncompatibleOptionsError(ValueError):
+    """Options that do not go together; the message names them (as flags) and what to use."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm works with, declared once on its class and checked by
+    :meth:`gossip.algorithms.registry.Algorithm.check` (for the command line and the library, before a
+    node opens a socket); an averager made directly checks its graph itself."""
+
+    static_undirected_graph: bool = False  # a fixed graph whose every edge runs both ways
+    compression: bool = False  # takes a codec (the others send whole models)
+    robust_mixing: bool = False  # takes a Byzantine-robust mixing rule
+
+    def check_graph(self, algorithm: str, topology: Topology) -> None:
+        if self.static_undirected_graph and (topology.family.directed or topology.family.time_varying):
+            examples = [
+                name
+                for name, family in FAMILIES.items()
+                if not (family.directed or family.time_varying) and name != "file"
+            ]
+            raise IncompatibleOptionsError(
+                f"--algorithm {algorithm} needs a static undirected --topology "
+                f"({', '.join(examples[:4])}, ...), not {topology}"
+            )
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    round: int
+    expected: int  # values this node waited for
+    arrived: int
+    wait_s: float
+    topology: Topology  # the graph used this round (the fallback where the chosen one is undefined)
+
+
+@dataclass
+class Staleness:
+    """How old the messages were that a node mixed in (in rounds, or model versions)."""
+
+    accepted: int = 0
+    total: int = 0
+    max: int = 0
+
+    def add(self, age: int) -> None:
+        self.accepted += 1
+        self.total += age
+        self.max = max(self.max, age)
+
+    def summary(self, dropped: int) -> dict[str, float]:
+        mean = self.total / self.accepted if self.accepted else 0.0
+        return {"mean": round(mean, 3), "max": self.max, "accepted": self.accepted, "dropped": dropped}
+
+
+class Averager:
+    """Base of the algorithms; see the module docstring.
+
+    Args:
+        peer: the node's network (``p2p.Peer`` or the in-memory network).
+        params: the flat parameter buffer (a numpy view of the model), mixed in place.
+        topology: the graph (or schedule) to average on.
+        round_timeout: the longest any wait for a neighbour lasts, in seconds (before there is a
+            history of rounds, and as the cap of the adaptive wait).
+        lock: held while ``params`` is written, so readers (evaluation, the optimizer) never
+            see half an update.
+        max_staleness: the oldest message (in rounds behind this node) that is still mixed in;
+            older ones are dropped and counted.
+        layout: how model values go on the wire (``FlatParameters.layout``: bfloat16 buckets
+            in 2 bytes); None: the vector as it is. Algorithms that send other values than the
+            model's (push-sum numerators, CHOCO's replicas) send them as the vector is.
+    """
+
+    name: ClassVar[str]  # as --algorithm spells it
+    kinds: ClassVar[tuple[str, ...]] = ()  # message kinds this algorithm reads
+    needs: ClassVar[Needs] = Needs()
+    #: whether parameters are mixed outside after_step (by a background exchanger), at any time
+    mixes_in_background: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float = 2.0,
+        lock: AbstractContextManager[object] | None = None,
+        max_staleness: int = 0,
+        layout: Layout | None = None,
+    ) -> None:
+        self.needs.check_graph(self.name, topology)
+        self.peer = peer
+        self.params = params
+        self.vector_layout = Layout.of(params)  # the vector as it is (push-sum shares, replicas)
+        self.layout = layout or self.vector_layout  # model values as the model holds them
+        self.topology = topology
+        self.round_timeout = round_timeout
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.max_staleness = max_staleness
+        self.round = 0
+        self.overlap = 0  # rounds between sending a value and mixing it (set by the algorithms)
+        self.rejected: Counter[str] = Counter()  # malformed messages
+        self.dropped: Counter[str] = Counter()  # well-formed ones that came too late or too early
+        self.staleness = Staleness()
+        self.fallback_rounds = 0
+        self._scratch = scratch_for(params)
+        self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
+        self._last_start: float | None = None
+        self._silent: set[str] = set()  # neighbours not waited for until heard from again
+
+    def after_step(self) -> RoundStats | None:
+        """Called by the training loop after its local steps; returns the round's figures when
+        the algorithm gossiped synchronously."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop background work (asynchronous algorithms)."""
+
+    def restart(self, round: int) -> None:
+        """Continue from ``round`` with the parameters as they are now (after taking another
+        node's state)."""
+        self.round = round
+
+    def report(self) -> dict[str, float]:
+        return self.staleness.summary(self.dropped["stale"])
+
+    # -- shared machinery ---------------------------------------------------------------------
+
+    def wait_limit(self) -> float:
+        """How long one wait for a neighbour may last: WAIT_FACTOR times the median of recent
+        round times, within [MIN_WAIT_S, round_timeout]."""
+        if len(self._round_times) < RECENT_ROUNDS // 4:
+            return self.round_timeout
+        return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
+
+    def _time_round(self) -> None:
+        now = self.peer.now()
+        if self._last_start is not None:
+            self._round_times.append(now - self._last_start)
+        self._last_start = now
+
+    def _heard_from(self, sender: str) -> None:
+        """Any message shows a neighbour is alive: wait for it again."""
+        self._silent.discard(sender)
+
+    def _went_silent(self, nodes: Iterable[str]) -> None:
+        """Neighbours that sent nothing in time: have the failure detector probe them now (once)
+        and do not wait for them again until they are heard from, so a dead peer costs one wait,
+        not one per round, until the membership drops it."""
+        for node in set(nodes) - self._silent:
+            self.peer.missed(node)
+            self._silent.add(node)
+
+    def _row(self, r: int, topology: Topology | None = None) -> MixingRow:
+        """This node's row of round ``r`` on ``topology`` (default: the averager's), from the
+        membership of that round."""
+        topology = topology or self.topology
+        members = self.peer.members(r)
+        row = mixing_row(topology, members, self.peer.node_id, r, self.peer.not_listening())
+        if row.topology != topology:
+            if self.fallback_rounds == 0:
+                log.warning(
+                    "%s is not defined for %d members: averaging on %s until it is",
+                    topology,
+                    len(members),
+                    row.topology,
+                )
+            self.fallback_rounds += 1
+        return row
+
+    def _valid(self, message: Envelope, layout: Layout | None = None, extra: int = 0) -> bool:
+        """Check a message before any of it is used: kind, that its first tensors are a vector
+        of ``layout`` (default: model values, :attr:`layout`) followed by ``extra`` others,
+        finiteness. Counts what is wrong."""
+        layout = layout or self.layout
+        problem = None
+        if message.kind not in self.kinds:
+            problem = "unexpected_kind"
+        elif len(message.tensors) != len(layout.buckets) + extra:
+            problem = "tensor_count"
+        else:
+            problem = layout.problem(message.tensors[: len(layout.buckets)])
+        if problem is None and not all(all_finite(t) for t in message.tensors):
+            problem = "non_finite"
+        if problem is not None:
+            self.rejected[problem] += 1
+        return problem is None
+
+    def _fresh(self, message_round: int, now_round: int) -> bool:
+        """Whether a message from ``message_round`` is within the staleness bound at
+        ``now_round``; a stale one is counted as dropped."""
+        age = now_round - message_round
+        if age > self.max_staleness:
+            self.dropped["stale"] += 1
+            return False
+        self.staleness.add(max(age, 0))
+        return True

@@ -1,0 +1,239 @@
+"""Synchronous decentralized averaging: D-PSGD (Lian et al., NeurIPS 2017).
+
+After a local step, node i sends its parameters x_i to the nodes it sends to in round r, waits a
+bounded time for the values of the nodes it receives from, and mixes
+``x_i <- sum_j W_ij x_j`` over what arrived, with the weights renormalised so they still sum to
+one. With every message on time and a doubly-stochastic W the mean of all models is preserved
+exactly. The graph may be directed or change every round (``one-peer-exponential``,
+``random-matching``): each round's row comes from the topology, and from the membership of that
+round (``peer.members(round)``), so a node that left after round R is in the graph up to R.
+
+Stragglers: with ``backup=k`` a round proceeds as soon as k of its d neighbours' values are in
+(backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is
+mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
+rest left with the node itself (an old value says less about where the mesh is now). With
+``catch_up=c`` a node whose neighbours are c or more rounds ahead of it (a straggler, which
+backup workers leave behind) skips to the round after theirs instead of working through the
+rounds they have left: it then mixes their newest values and sends in time for their rounds
+again, rather than mixing values long gone by (or none: past ``max_rounds_ahead`` they are
+dropped). "Their round" is the median of the newest rounds heard from each, so one neighbour
+naming a round far ahead cannot throw the node forward. The rounds it skips it neither sends nor
+mixes; the others mix what they have, so, as with backup workers, the mean is no longer kept
+exactly.
+
+Overlap (``overlap=1``): round r sends x_i as usual but mixes the values of round r - 1, which
+were sent a whole round (a step, or H local steps) ago and are usually in by now, so the
+communication hides behind the local steps. Mixing old values into a model that has moved
+since is done in difference form, keeping the progress made meanwhile:
+``x_i <- x_i + γ (sum_j W_ij x_j' - x_i')`` with primes for round r - 1 values. The mean of the
+models is kept exactly. With γ = 1 the delayed iteration z² = z - γ(1 - μ) diverges wherever W
+has an eigenvalue μ <= 0; with γ = 1/2 it contracts for every μ > -1, at about half of
+D-PSGD's rate per round (1 - (1 - μ)/2 against μ).
+
+Periodic exact averaging (``exact_every=P``): every P-th round is on the complete graph of the
+round's members, so when every value arrives the models leave it equal to their average
+(gossip with periodic global averaging, Chen et al. 2021): the models drift apart between two
+such rounds by what P sparse rounds leave, whatever the graph's spectral gap, for n - 1
+models sent in one round of P.
+
+Waits come from measured round times (see ``Averager.wait_limit``); a neighbour that misses a
+round is not waited for again until it is heard from (``Averager._went_silent``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from contextlib import AbstractContextManager
+from typing import ClassVar
+
+import numpy as np
+
+from gossip.algorithms.averager import Averager, Needs, RoundStats
+from gossip.algorithms.robust import RobustRule
+from gossip.buffers.vector import Frames, Layout
+from gossip.network import Envelope, PeerNetwork
+from topologies import MixingRow, Topology
+
+KIND = "params"
+COMPLETE = Topology("complete")
+OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed mixing (see above)
+
+
+class DPSGD(Averager):
+    """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus:
+
+    backup: proceed once this many neighbours' values are in (0: wait for all of them).
+    overlap: 1: mix the values of the previous round (see above); 0: of this round.
+    max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
+    exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
+    catch_up: skip ahead when the neighbours are this many rounds ahead (see above); 0: never.
+    robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.algorithms.robust``).
+    """
+
+    name: ClassVar[str] = "dpsgd"
+    kinds: ClassVar[tuple[str, ...]] = (KIND,)
+    needs: ClassVar[Needs] = Needs(robust_mixing=True)
+
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        params: np.ndarray,
+        *,
+        topology: Topology,
+        round_timeout: float = 2.0,
+        lock: AbstractContextManager[object] | None = None,
+        layout: Layout | None = None,
+        max_staleness: int = 0,
+        backup: int = 0,
+        overlap: int = 0,
+        max_rounds_ahead: int = 64,
+        robust: RobustRule | None = None,
+        exact_every: int = 0,
+        catch_up: int = 0,
+    ) -> None:
+        super().__init__(
+            peer,
+            params,
+            topology=topology,
+            round_timeout=round_timeout,
+            lock=lock,
+            max_staleness=max_staleness,
+            layout=layout,
+        )
+        if overlap not in (0, 1):
+            raise ValueError(f"dpsgd overlap is 0 or 1 round, got {overlap}")
+        if catch_up and overlap:
+            raise ValueError("dpsgd catch_up skips rounds, overlap mixes the one before: choose one")
+        self.backup = backup
+        self.overlap = overlap
+        self.exact_every = exact_every
+        self._sent: dict[int, np.ndarray] = {}  # own values of rounds whose mixing is to come
+        self.robust = robust
+        self._max_ahead = max_rounds_ahead
+        self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
+        self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
+        self.catch_up = catch_up
+        self._newest_heard: dict[str, int] = {}  # sender -> the newest round of its values
+        self.rounds_skipped = 0
+
+    def after_step(self) -> RoundStats:
+        return self.average()
+
+    def restart(self, round: int) -> None:
+        super().restart(round)
+        self._sent.clear()
+
+    def report(self) -> dict[str, float]:
+        return (
+            {**super().report(), "rounds_skipped": self.rounds_skipped} if self.catch_up else super().report()
+        )
+
+    def average(self) -> RoundStats:
+        """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
+        the previous round's)."""
+        self._time_round()
+        if self.catch_up and self._newest_heard:
+            members = self.peer.members()
+            self._newest_heard = {j: r for j, r in self._newest_heard.items() if j in members}
+            ahead = statistics.median_low(self._newest_heard.values()) if self._newest_heard else -1
+            if ahead - self.round >= self.catch_up:
+                self._skip_to(ahead + 1)
+        r = self.round
+        sending = self._round_row(r)
+        snapshot = self.params.copy()  # what we send must not change while it is in flight
+        frames = self.layout.pack(snapshot)
+        for target in sending.send_to:
+            self.peer.send(target, KIND, r, frames)
+        self.round += 1
+        mixed = r - self.overlap
+        own = self._sent.pop(mixed, None) if self.overlap else snapshot
+        if self.overlap:
+            self._sent[r] = snapshot
+        if own is None:  # the first overlapped round: nothing sent before it to mix
+            return RoundStats(mixed, 0, 0, 0.0, sending.topology)
+        row = self._round_row(mixed) if self.overlap else sending
+        started = self.peer.now()
+        values = self._gather(mixed, row)
+        wait_s = self.peer.now() - started
+        with self.lock:
+            self._mix(own, row, values)
+            if self.overlap:  # x <- x_now + γ (mix(x') - x'), in place
+                self.params -= own
+                self.params *= OVERLAP_GAMMA
+                self.params += snapshot
+        return RoundStats(mixed, len(row.receive_from), len(values), wait_s, row.topology)
+
+    def _skip_to(self, r: int) -> None:
+        self.rounds_skipped += r - self.round
+        self.round = r
+        for old in [k for k in self._early if k < r]:
+            del self._early[old]
+
+    def _round_row(self, r: int) -> MixingRow:
+        """The row of round ``r``: on the complete graph every ``exact_every``-th round."""
+        exact = self.exact_every and r % self.exact_every == self.exact_every - 1
+        return self._row(r, COMPLETE if exact else None)
+
+    def _gather(self, r: int, row: MixingRow) -> dict[str, tuple[Frames, int]]:
+        """Neighbours' values for round r as (frames, age in rounds)."""
+        got = self._early.pop(r, {})
+        neighbours = set(row.receive_from)
+        enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
+        waiting = neighbours - got.keys() - self._silent
+        deadline = self.peer.now() + self.wait_limit()
+        timed_out = False
+        while waiting and len(neighbours & got.keys()) < enough:
+            remaining = deadline - self.peer.now()
+            if remaining <= 0:
+                timed_out = True
+                break
+            message = self.peer.recv(remaining, self.kinds)
+            if message is None:
+                waiting &= self.peer.members(r)  # a neighbour that left is not waited for
+            else:
+                self._file(message, r, got)
+                waiting -= got.keys()
+        while (message := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
+            self._file(message, r, got)
+        if timed_out:
+            self._went_silent(neighbours - got.keys())
+        values = {j: (got[j], 0) for j in neighbours if j in got}
+        for j in neighbours - got.keys():
+            if j in self._recent and self._fresh(self._recent[j][0], r):
+                values[j] = (self._recent[j][1], r - self._recent[j][0])
+        return values
+
+    def _file(self, message: Envelope, r: int, got: dict[str, Frames]) -> None:
+        """Keep a neighbour's value for its round, or as its newest late value, or count why not."""
+        if not self._valid(message):
+            return
+        sender = message.sender
+        self._heard_from(sender)
+        self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
+        if message.round > r + self._max_ahead:
+            self.dropped["too_far_ahead"] += 1
+        elif message.round == r:
+            got[sender] = message.tensors
+            self.staleness.add(0)
+        elif message.round > r:
+            self._early[message.round][sender] = message.tensors
+        elif r - message.round > self.max_staleness:
+            self.dropped["stale"] += 1
+        elif message.round > self._recent.get(sender, (-1, None))[0]:
+            self._recent[sender] = (message.round, message.tensors)
+
+    def _mix(self, own: np.ndarray, row: MixingRow, values: dict[str, tuple[Frames, int]]) -> None:
+        """Renormalise the row over the values that came, discount old ones, mix (in the
+        vector's dtype: narrower frames are widened)."""
+        total = row.self_weight + sum(row.receive_from[j] for j in values)
+        weights = {j: row.receive_from[j] / total / (1 + age) for j, (_, age) in values.items()}
+        if self.robust is not None:
+            vectors = {
+                j: (self.layout.unpack(frames, own.dtype), weights[j]) for j, (frames, _) in values.items()
+            }
+            self.robust.mix(own, vectors, self.params)
+            return
+        np.multiply(own, 1.0 - sum(weights.values()), out=self.params)
+        for sender, (frames, _) in values.items():
+            self.layout.add_scaled(self.params, frames, weights[sender], self._scratch)

@@ -1,0 +1,1 @@
+"""Flat model buffers: the host vector, its chunked operations, device staging."""

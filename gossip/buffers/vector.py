@@ -1,0 +1,108 @@
+"""Vector operations on flat buffers, chunked so that no model-sized temporary is ever made, and
+the wire layout of a model's vector.
+
+Mixing works on one vector of float32 (float64 for a float64 model): a model in bfloat16 or
+float16, or one that mixes dtypes, is mixed in float32 and rounded once, when the result is
+written back into it (``gossip.buffers.flat``). Where a message carries model values, it carries them as
+the model holds them (:class:`Layout`): one frame per dtype bucket, bfloat16 in 2 bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from gossip.buffers.arrays import Array, array_module
+
+CHUNK = 1 << 20  # elements per vector op
+Frames = Sequence[np.ndarray]  # a vector on the wire: one frame per bucket of its Layout
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy has none: ml_dtypes' (the one JAX uses)
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """True when no element is NaN or infinite."""
+    flat = array.reshape(-1)
+    return all(bool(np.isfinite(flat[i : i + CHUNK]).all()) for i in range(0, flat.size, CHUNK))
+
+
+def scratch_for(array: Array) -> Array:
+    """A buffer for :func:`add_scaled` on vectors like ``array`` (on its device)."""
+    return array_module(array).empty(min(array.size, CHUNK), dtype=array.dtype)
+
+
+def add_scaled(y: Array, x: Array, a: float, scratch: Array) -> None:
+    """y += a * x, chunk by chunk through ``scratch`` (numpy or cupy arrays alike); an ``x`` of
+    a narrower dtype (a bfloat16 frame) is widened to ``y``'s before it is scaled."""
+    xp = array_module(y)
+    for i in range(0, y.size, scratch.size):
+        part = scratch[: min(scratch.size, y.size - i)]
+        if x.dtype == y.dtype:
+            xp.multiply(x[i : i + part.size], a, out=part)
+        else:
+            xp.copyto(part, x[i : i + part.size], casting="same_kind")
+            part *= a
+        y[i : i + part.size] += part
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a vector goes on the wire as the model holds it: ``buckets`` are (dtype, elements) of
+    consecutive parts of the vector. A vector of one bucket in its own dtype is one frame, the
+    vector itself."""
+
+    buckets: tuple[tuple[np.dtype, int], ...]
+
+    @classmethod
+    def of(cls, vector: np.ndarray) -> Layout:
+        """The vector sent as it is."""
+        return cls(((vector.dtype, vector.size),))
+
+    def slice(self, lo: int, hi: int) -> Layout:
+        """The layout of elements ``lo:hi`` of the vector (a local rank's slice)."""
+        buckets, start = [], 0
+        for dtype, size in self.buckets:
+            overlap = min(hi, start + size) - max(lo, start)
+            if overlap > 0:
+                buckets.append((dtype, overlap))
+            start += size
+        return Layout(tuple(buckets) or ((self.buckets[0][0], 0),))
+
+    def pack(self, vector: np.ndarray) -> list[np.ndarray]:
+        """The frames of ``vector``: views where a bucket has the vector's dtype, else copies
+        rounded to the bucket's dtype (exact for values read from the model)."""
+        frames, start = [], 0
+        for dtype, size in self.buckets:
+            part = vector[start : start + size]
+            frames.append(part if part.dtype == dtype else part.astype(dtype))
+            start += size
+        return frames
+
+    def problem(self, frames: Frames) -> str | None:
+        """Why ``frames`` are not a vector of this layout (a rejection reason), or None."""
+        if len(frames) != len(self.buckets):
+            return "tensor_count"
+        for frame, (dtype, size) in zip(frames, self.buckets, strict=True):
+            if frame.dtype != dtype or frame.shape != (size,):
+                return "tensor_mismatch"
+        return None
+
+    def add_scaled(self, y: np.ndarray, frames: Frames, a: float, scratch: np.ndarray) -> None:
+        """y += a * (the vector ``frames`` carry), widening each frame as it goes."""
+        start = 0
+        for frame in frames:
+            add_scaled(y[start : start + frame.size], frame, a, scratch)
+            start += frame.size
+
+    def unpack(self, frames: Frames, dtype: np.dtype) -> np.ndarray:
+        """The vector ``frames`` carry, in ``dtype`` (the frame itself when it is one already)."""
+        if len(frames) == 1 and frames[0].dtype == dtype:
+            return frames[0]
+        vector = np.empty(sum(frame.size for frame in frames), dtype=dtype)
+        start = 0
+        for frame in frames:
+            np.copyto(vector[start : start + frame.size], frame, casting="same_kind")
+            start += frame.size
+        return vector

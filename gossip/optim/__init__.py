@@ -1,0 +1,1 @@
+"""The optimizer layer a training loop calls: GossipOptimizer and what it composes."""

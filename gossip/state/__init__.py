@@ -1,0 +1,1 @@
+"""State transfer: what a newcomer takes from live members, both sides of it."""

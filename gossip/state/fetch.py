@@ -1,0 +1,267 @@
+"""A newcomer's side of state transfer: pulling a state from one or more sources at once.
+
+Each source is a lane: its manifest first, then up to ``window`` chunks requested and not yet
+received; every chunk that arrives frees a credit for the next request, so the transfer runs as
+fast as the link and the sources allow and no source queues more than the window. Chunks still
+owed by a lane that has sent nothing for ``retry_s`` are asked of the lanes that move (or of it
+again); a lane silent for ``patience_s``, or whose answers are bad, is dropped. The transfer
+fails only when no lane is left, or after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossip.network import Envelope, PeerNetwork
+from gossip.state.manifest import (
+    ALIGN,
+    CHUNK,
+    CHUNK_BYTES,
+    KINDS,
+    MANIFEST,
+    MAX_CHUNK_BYTES,
+    MAX_WINDOW,
+    MIN_CHUNK_BYTES,
+    REQUEST,
+    WINDOW,
+    Assembly,
+    Manifest,
+    Snapshot,
+    StateTransferError,
+    shown,
+)
+
+RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
+REASK_S = 0.5  # a first manifest request that brought nothing this soon is sent once more
+POLL_S = 0.25  # how often a fetch looks whether it was cancelled
+
+
+@dataclass
+class TransferStats:
+    """How a transfer went: what a run report and a benchmark show."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    chunks: dict[str, int] = field(default_factory=dict)  # received from each source
+    reasked: int = 0  # chunks asked again after their lane stalled
+    dropped_sources: dict[str, str] = field(default_factory=dict)  # source -> why
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+    def summary(self) -> dict[str, Any]:
+        """The run report's ``state_transfer`` of a node that joined."""
+        return {
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "mb_per_s": round(self.mb_per_s, 1),
+            "chunks": dict(self.chunks),
+            "reasked": self.reasked,
+            "dropped_sources": dict(self.dropped_sources),
+        }
+
+
+@dataclass
+class _Lane:
+    source: str
+    heard: float  # when it last sent anything, or was asked for chunks while owing none: its stall clock
+    last_message: float  # when it last sent anything (or the fetch began): its patience clock
+    manifest_due: float  # when to ask for its manifest (again); inf once it arrived
+    asks: int = 0
+    stalls: int = 0  # times it owed chunks and went silent: it is asked after the lanes that move
+    manifest: Manifest | None = None  # its manifest, once it arrived and fits
+    owed: set[int] = field(default_factory=set)  # chunks asked of it, not received
+    settled: int = 0  # chunks received from it or given up on: its credit
+    received: int = 0
+
+
+def fetch_state(
+    peer: PeerNetwork,
+    sources: Sequence[str],
+    *,
+    timeout: float,
+    max_bytes: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    window: int = WINDOW,
+    retry_s: float = RETRY_S,
+    patience_s: float = math.inf,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> tuple[Snapshot, TransferStats]:
+    """The state of ``sources`` (see the module docstring) and how the transfer went. Raises
+    StateTransferError naming each source and why it gave nothing usable, also when
+    ``cancelled()`` turns true (asked every ``POLL_S``)."""
+    if not sources:
+        raise StateTransferError("no source to take the state from")
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(
+            f"window must be in 1..{MAX_WINDOW} chunks (what a source sends ahead), got {window}"
+        )
+    if not (MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % ALIGN == 0):
+        raise ValueError(
+            f"chunk_bytes must be a multiple of {ALIGN} in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, "
+            f"got {chunk_bytes}"
+        )
+    return _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s).run(timeout, cancelled)
+
+
+class _Fetch:
+    def __init__(
+        self,
+        peer: PeerNetwork,
+        sources: Sequence[str],
+        max_bytes: int,
+        chunk_bytes: int,
+        window: int,
+        retry_s: float,
+        patience_s: float,
+    ) -> None:
+        self.peer, self.max_bytes, self.chunk_bytes, self.window = peer, max_bytes, chunk_bytes, window
+        self.retry_s, self.patience_s = retry_s, patience_s
+        self.transfer = secrets.randbits(62)
+        now = time.monotonic()
+        self.lanes = {source: _Lane(source, now, now, now) for source in dict.fromkeys(sources)}
+        self.assembly: Assembly | None = None
+        self.reference: str | None = None  # the source whose manifest the state follows
+        self.missing: deque[int] = deque()  # chunks no lane owes
+        self.stats = TransferStats()
+
+    def run(self, timeout: float, cancelled: Callable[[], bool]) -> tuple[Snapshot, TransferStats]:
+        started = time.monotonic()
+        deadline = started + timeout
+        while self.assembly is None or not self.assembly.complete:
+            now = time.monotonic()
+            if cancelled():
+                raise self._error("cancelled")
+            if now >= deadline:
+                raise self._error(f"within {timeout:g} s")
+            self._look_after_lanes(now)
+            if not self.lanes:
+                raise self._error("")
+            self._ask_for_chunks()
+            wake = min([deadline, now + POLL_S, *(lane.manifest_due for lane in self.lanes.values())])
+            message = self.peer.recv(max(wake - now, 0.0), KINDS)
+            if message is not None and message.meta.get("transfer") == self.transfer:
+                self._take(message)
+        assert self.assembly is not None and self.reference is not None
+        try:
+            snapshot = self.assembly.snapshot()
+        except ValueError as exc:
+            raise StateTransferError(f"state from {', '.join(self.stats.chunks)} rejected: {exc}") from None
+        self.stats.bytes, self.stats.seconds = self.assembly.manifest.total, time.monotonic() - started
+        return snapshot, self.stats
+
+    def _look_after_lanes(self, now: float) -> None:
+        for lane in list(self.lanes.values()):
+            waited_on = lane.manifest is None or lane.owed  # (an idle lane owes nothing)
+            if waited_on and now - lane.last_message >= self.patience_s:
+                self._drop(lane, f"silent for {self.patience_s:g} s")
+                continue
+            if lane.manifest is None and now >= lane.manifest_due:
+                self.peer.send(lane.source, REQUEST, 0, meta={"transfer": self.transfer, "manifest": True})
+                lane.asks += 1  # the first is often lost (sent before the connection was up): once more soon
+                lane.manifest_due = now + (REASK_S if lane.asks == 1 else self.retry_s)
+            if lane.owed and now - lane.heard >= self.retry_s:
+                self.stats.reasked += len(lane.owed)
+                lane.stalls += 1
+                self._give_back(lane)
+
+    def _ask_for_chunks(self) -> None:
+        for lane in sorted(self.lanes.values(), key=lambda lane: lane.stalls):
+            free = self.window - len(lane.owed)
+            if lane.manifest is None or not self.missing or free < max(1, self.window // 4):
+                continue  # (asks in batches: a request per few chunks, not per chunk)
+            chunks = self._take_missing(free)
+            if not chunks:
+                return
+            if not lane.owed:
+                lane.heard = time.monotonic()  # its stall clock starts now
+            lane.owed.update(chunks)
+            meta = {
+                "transfer": self.transfer,
+                "chunk_bytes": self.chunk_bytes,
+                "chunks": chunks,
+                "settled": lane.settled,
+            }
+            self.peer.send(lane.source, REQUEST, 0, meta=meta)
+
+    def _take_missing(self, count: int) -> list[int]:
+        """Up to ``count`` chunks no lane owes and none delivered (a stalled lane's late ones)."""
+        assert self.assembly is not None
+        chunks: list[int] = []
+        while self.missing and len(chunks) < count:
+            index = self.missing.popleft()
+            if index not in self.assembly.seen:
+                chunks.append(index)
+        return chunks
+
+    def _take(self, message: Envelope) -> None:
+        lane = self.lanes.get(message.sender)
+        if lane is None:
+            return
+        lane.heard = lane.last_message = time.monotonic()
+        try:
+            if message.kind == MANIFEST:
+                self._take_manifest(lane, message)
+            elif message.kind == CHUNK:
+                self._take_chunk(lane, message)
+        except ValueError as exc:
+            self._drop(lane, str(exc))
+
+    def _take_manifest(self, lane: _Lane, message: Envelope) -> None:
+        manifest = Manifest.parse(message.meta, self.max_bytes)  # (a source may send it again)
+        if self.assembly is None:
+            self.assembly = Assembly(manifest, self.chunk_bytes)
+            self.reference = lane.source
+            self.missing.extend(range(self.assembly.count))
+        elif manifest.entries != self.assembly.manifest.entries:
+            raise ValueError(f"its layout differs from {self.reference}'s")
+        lane.manifest, lane.manifest_due = lane.manifest or manifest, math.inf
+
+    def _take_chunk(self, lane: _Lane, message: Envelope) -> None:
+        index = message.meta.get("index")
+        if self.assembly is None or type(index) is not int:
+            raise ValueError(f"chunk {shown(index)} before a manifest, or not an index")
+        if self.assembly.add(index, message.tensors):  # (also a late one of a stall, still missing)
+            lane.received += 1
+            self.stats.chunks[lane.source] = lane.received
+        if index in lane.owed:
+            lane.owed.discard(index)
+            lane.settled += 1
+
+    def _give_back(self, lane: _Lane) -> None:
+        """The chunks ``lane`` owes go back to be asked for (they are settled for its credit)."""
+        assert self.assembly is not None
+        self.missing.extendleft(sorted((i for i in lane.owed if i not in self.assembly.seen), reverse=True))
+        lane.settled += len(lane.owed)
+        lane.owed.clear()
+
+    def _drop(self, lane: _Lane, why: str) -> None:
+        if self.assembly is not None:
+            self._give_back(lane)
+        self.stats.dropped_sources[lane.source] = why
+        del self.lanes[lane.source]
+        if lane.source == self.reference:  # its counters go with it: another lane's stand
+            other = next((other for other in self.lanes.values() if other.manifest is not None), None)
+            if other is not None and self.assembly is not None and other.manifest is not None:
+                self.reference, self.assembly.manifest = other.source, other.manifest
+
+    def _error(self, why: str) -> StateTransferError:
+        got = (
+            "nothing"
+            if self.assembly is None
+            else f"{len(self.assembly.seen)} of {self.assembly.count} chunks"
+        )
+        reasons = "; ".join(f"{s}: {r}" for s, r in self.stats.dropped_sources.items())
+        names = ", ".join(dict.fromkeys([*self.lanes, *self.stats.dropped_sources]))
+        error = StateTransferError(
+            " ".join(filter(None, [f"state from {names}: {got}", why, reasons and f"({reasons})"]))
+        )
+        error.dropped = dict(self.stats.dropped_sources)
+        return error

@@ -1,0 +1,251 @@
+"""Joining with state: what a newcomer takes from live members before it trains, and the
+protocol it travels in.
+
+Without it a new node would average random weights into the mesh. A node's state is a list of
+named flat arrays (parameters, optimizer buffers) plus counters (steps, round, rounds per
+second). It travels as a byte stream, the arrays one after the other, each starting at a
+multiple of ``ALIGN`` bytes (zeros between), so that no chunk (a multiple of ``ALIGN`` bytes)
+splits a value:
+
+- the newcomer asks a source for its *manifest* (``state_request`` with ``manifest``); the source
+  answers ``state_manifest``: the versioned layout (name, dtype, shape of each array), the
+  counters and the total size;
+- the newcomer then pulls the stream in chunks of ``chunk_bytes`` (``state_request`` with
+  ``chunks``: the indices it wants), each answered by one ``state_chunk``. Credits bound what
+  is in flight: a request says how many chunks the newcomer has settled (received, or given up
+  on) from that source, and a source sends no more than ``MAX_WINDOW`` chunks beyond that, so
+  it queues no more than its send window for an honest requester (``gossip.state.server`` says
+  what bounds a dishonest one);
+- chunks are kept as they arrive, so a stalled source costs only the chunks it still owed,
+  asked of another source or again, never a restart; with several sources the chunks are
+  spread over them (``gossip.state.fetch``).
+
+A source reads each chunk from its live state when asked (it holds no copy of the whole state),
+so the stream is not one instant's state: each chunk is the source's values at the moment it
+was read, and with several sources each chunk is one member's. Gossip keeps members close, and
+the newcomer's first rounds average it further: this is the state a newcomer needs, at the
+link's speed, for the memory of a send window. The counters are those of the first source
+whose manifest arrived; a source whose layout differs from it is not used.
+
+The receiver checks the manifest (version, sizes, dtypes, counters in range) before it
+allocates anything, and every chunk against it as it arrives (size, finite values), so a bad
+chunk is pinned on the source that sent it; nothing touches the model before the whole is in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+
+from gossip.buffers.vector import BFLOAT16, all_finite
+
+STATE_VERSION = 2
+REQUEST = "state_request"
+MANIFEST = "state_manifest"
+CHUNK = "state_chunk"
+KINDS = (MANIFEST, CHUNK)  # what a newcomer receives
+CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 256  # a source refuses smaller chunks: a message per few bytes
+MAX_CHUNK_BYTES = 8 << 20
+ALIGN = 8  # arrays start, and chunks end, at multiples of this: the widest value (float64, int64)
+WINDOW = 16  # chunks a newcomer keeps requested and not yet received, per source
+MAX_WINDOW = 32  # chunks a source sends beyond what the requester has settled (its send queue is 64)
+MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exact as floats
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64")
+
+Counters = Mapping[str, float]
+
+
+class StateTransferError(RuntimeError):
+    """No valid state arrived; the message says from whom and why, ``dropped`` which sources
+    were left out (by id: why)."""
+
+    dropped: dict[str, str] = {}  # noqa: RUF012 - replaced per instance, never mutated
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One array of a state: its name, dtype and shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    @property
+    def span(self) -> int:
+        """Its bytes in the stream, with the zeros that align the next array."""
+        return -(-self.nbytes // ALIGN) * ALIGN
+
+    def wire(self) -> list[Any]:
+        return [self.name, self.dtype.name, list(self.shape)]
+
+
+class StateView(Protocol):
+    """A state as a source serves it: its layout and counters now, and any byte range of the
+    stream read when asked (a copy: it goes on the wire while training changes the state)."""
+
+    def manifest(self) -> tuple[Sequence[Entry], Counters]: ...
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``start:stop`` of the stream (arrays aligned as the module docstring says), as
+        a new uint8 array."""
+        ...
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Named arrays plus counters (``steps``, ``round``, ``rounds_per_s``...): a state
+    received whole, a checkpoint's, or one to serve as it is (a ``StateView``)."""
+
+    tensors: Mapping[str, np.ndarray]
+    counters: Counters
+
+    def manifest(self) -> tuple[Sequence[Entry], Counters]:
+        return [Entry(n, a.dtype, a.shape) for n, a in self.tensors.items()], self.counters
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        arrays = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in self.tensors.values()]
+        return read_stream([(a.size, partial(_bytes_of, a)) for a in arrays], start, stop)
+
+
+Reader = Callable[[int, int], np.ndarray]  # bytes lo:hi of one array
+
+
+def _bytes_of(raw: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return raw[lo:hi]
+
+
+def read_stream(arrays: Sequence[tuple[int, Reader]], start: int, stop: int) -> np.ndarray:
+    """Bytes ``start:stop`` of the stream of ``arrays`` ((bytes, reader) each), as a new uint8
+    array: each array starts at a multiple of ``ALIGN``, zeros between."""
+    out, offset = np.zeros(stop - start, np.uint8), 0
+    for nbytes, read in arrays:
+        lo, hi = max(start - offset, 0), min(stop - offset, nbytes)
+        if lo < hi:
+            out[offset + lo - start : offset + hi - start] = read(lo, hi)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    if stop > offset:
+        raise ValueError(f"bytes {start}:{stop} are beyond the state's {offset}")
+    return out
+
+
+def split(entries: Sequence[Entry], raw: np.ndarray) -> dict[str, np.ndarray]:
+    """The arrays of the byte stream ``raw`` (views of it)."""
+    tensors, offset = {}, 0
+    for entry in entries:
+        tensors[entry.name] = raw[offset : offset + entry.nbytes].view(entry.dtype).reshape(entry.shape)
+        offset += entry.span
+    return tensors
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A source's answer to a manifest request, checked."""
+
+    entries: tuple[Entry, ...]
+    counters: dict[str, float]
+    total: int
+
+    def chunks(self, chunk_bytes: int) -> int:
+        return max(1, math.ceil(self.total / chunk_bytes))
+
+    @classmethod
+    def message(cls, entries: Sequence[Entry], counters: Counters, transfer: int) -> dict[str, Any]:
+        """The manifest message's meta."""
+        return {
+            "transfer": transfer,
+            "version": STATE_VERSION,
+            "layout": [entry.wire() for entry in entries],
+            "counters": dict(counters),
+            "total": sum(entry.span for entry in entries),
+        }
+
+    @classmethod
+    def parse(cls, meta: Mapping[str, Any], max_bytes: int) -> Manifest:
+        """Raises ValueError with what is wrong."""
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"version {meta.get('version')!r}, this node reads {STATE_VERSION}")
+        total, raw_layout, counters = (meta.get(k) for k in ("total", "layout", "counters"))
+        if type(total) is not int or not 0 <= total <= max_bytes:
+            raise ValueError(f"total size {total!r} is not in 0..{max_bytes}")
+        if not isinstance(counters, dict) or not all(
+            isinstance(k, str) and type(v) in (int, float) and 0 <= v <= MAX_COUNTER
+            for k, v in counters.items()
+        ):
+            raise ValueError(f"counters must map names to numbers in 0..{MAX_COUNTER}")
+        if not isinstance(raw_layout, list):
+            raise ValueError("no layout")
+        entries = []
+        for entry in raw_layout:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 3
+                or not isinstance(entry[0], str)
+                or entry[1] not in _DTYPES
+                or not isinstance(entry[2], list)
+                or not all(type(d) is int and d >= 0 for d in entry[2])
+            ):
+                raise ValueError(f"bad layout entry {shown(entry)}")
+            dtype = BFLOAT16 if entry[1] == "bfloat16" else np.dtype(entry[1])
+            entries.append(Entry(entry[0], dtype, tuple(entry[2])))
+        if sum(entry.span for entry in entries) != total:
+            raise ValueError("the layout does not add up to the total size")
+        return cls(tuple(entries), dict(counters), total)
+
+
+class Assembly:
+    """A state being received: a buffer of the manifest's size that chunks fill, in any order."""
+
+    def __init__(self, manifest: Manifest, chunk_bytes: int) -> None:
+        self.manifest = manifest
+        self.chunk_bytes = chunk_bytes
+        self.count = manifest.chunks(chunk_bytes)
+        self.buffer = np.empty(manifest.total, np.uint8)
+        self.seen: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == self.count
+
+    def add(self, index: Any, tensors: Sequence[np.ndarray]) -> bool:
+        """Put chunk ``index`` in place; False for one already in. Raises ValueError for a
+        chunk that is not one of this state's, or that carries a NaN or infinite value."""
+        if type(index) is not int or not 0 <= index < self.count or len(tensors) != 1:
+            raise ValueError(f"bad chunk {shown(index)}")
+        if index in self.seen:
+            return False
+        start = index * self.chunk_bytes
+        stop = min(start + self.chunk_bytes, self.buffer.size)
+        piece = tensors[0]
+        if piece.dtype != np.uint8 or piece.shape != (stop - start,):
+            raise ValueError(f"chunk {index} has the wrong size")
+        offset = 0
+        for entry in self.manifest.entries:  # (aligned: no value is split between chunks)
+            lo, hi = max(start, offset), min(stop, offset + entry.nbytes)
+            if lo < hi and entry.dtype.kind in "fV":
+                values = piece[lo - start : hi - start].view(entry.dtype)
+                if not all_finite(values.astype(np.float32) if entry.dtype == BFLOAT16 else values):
+                    raise ValueError(f"{entry.name} has NaN or infinite values (chunk {index})")
+            offset += entry.span
+        self.buffer[start:stop] = piece
+        self.seen.add(index)
+        return True
+
+    def snapshot(self) -> Snapshot:
+        """The whole state (every chunk was checked as it came)."""
+        return Snapshot(split(self.manifest.entries, self.buffer), self.manifest.counters)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A received value in an error message, bounded."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,172 @@
+"""A member's side of state transfer: answering newcomers' manifest and chunk requests.
+
+A transfer goes at the link's pace, not the training loop's: the loop looks for requests
+between its steps (:meth:`StateServer.poll`, which never blocks) and, when one came, answers it
+and keeps answering from a thread of its own (``PeerNetwork.start_background``) until no
+request has come for ``IDLE_S``. Each chunk is read from the live state when it is asked for
+(``gossip.state.live``), so serving costs no copy of the state, only the chunks in flight.
+
+What a requester can make a source do is bounded: it answers members only, at most
+``MAX_TRANSFERS`` requesters at once (a slot is taken over from a requester silent for
+``RETRY_S``), at most ``MAX_WINDOW`` chunks a request and beyond what the requester says it
+settled, chunks of ``MIN_CHUNK_BYTES`` to ``MAX_CHUNK_BYTES``, only after a manifest (a chunk
+request without one is answered with the manifest); ``refused`` counts what it let go. A
+requester that claims more settled than it received makes its source read sooner, not hold
+more: what the source sends waits in the transport's bounded queues (``p2p.transport.outbound``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gossip.network import Background, Envelope, PeerNetwork
+from gossip.state.manifest import (
+    ALIGN,
+    CHUNK,
+    MANIFEST,
+    MAX_CHUNK_BYTES,
+    MAX_WINDOW,
+    MIN_CHUNK_BYTES,
+    REQUEST,
+    Manifest,
+    StateView,
+)
+
+MAX_TRANSFERS = 4  # requesters served at once
+RETRY_S = 3.0  # a requester silent this long no longer counts as being served
+IDLE_S = 2.0  # the serving thread ends after this long without a request
+POLL_S = 0.25
+
+
+@dataclass
+class _Transfer:
+    id: int
+    heard: float  # when its last request came
+    sent: int = 0  # chunks sent
+    total: int | None = None  # the state's bytes, as its manifest said (None: none sent yet)
+
+
+class StateServer:
+    """Answers newcomers' state requests from ``view`` (see the module docstring)."""
+
+    def __init__(self, peer: PeerNetwork, view: StateView) -> None:
+        self._peer = peer
+        self._view = view
+        self._transfers: dict[str, _Transfer] = {}  # requester -> its transfer
+        self._lock = threading.Lock()  # the training loop and the serving thread
+        self._thread: Background | None = None
+        self._serving = False
+        self._stop = threading.Event()
+        self.refused: Counter[str] = Counter()
+        self.chunks_sent = 0
+
+    def poll(self) -> None:
+        """Between training steps: answer a request that waits (at most a window of chunk
+        copies), and go on answering on a thread of its own while they come."""
+        if self._serving or self._stop.is_set():
+            return
+        request = self._peer.recv(0, (REQUEST,))
+        if request is None:
+            return
+        self._answer(request)
+        self._thread = self._peer.start_background(f"state-{self._peer.node_id}", self._serve)
+        self._serving = True  # (the thread clears it as it ends, never before this)
+
+    def serve(self, wait: float = 0.0) -> int:
+        """Answer the requests waiting (the first for up to ``wait`` s); how many were taken."""
+        answered = 0
+        while not self._stop.is_set():
+            request = self._peer.recv(wait if not answered else 0, (REQUEST,))
+            if request is None:
+                break
+            self._answer(request)
+            answered += 1
+        return answered
+
+    def close(self) -> None:
+        """Stop answering (the thread ends within ``POLL_S``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        try:
+            idle_since = self._peer.now()
+            while not self._stop.is_set():
+                if self.serve(POLL_S):
+                    idle_since = self._peer.now()
+                elif self._peer.now() - idle_since >= IDLE_S:
+                    break
+        finally:
+            self._serving = False
+
+    def _answer(self, request: Envelope) -> None:
+        with self._lock:
+            reason = self._refusal(request.sender, request.meta)
+            if reason is not None:
+                self.refused[reason] += 1
+                return
+            meta, requester = request.meta, request.sender
+            transfer = self._transfers[requester]
+            if meta.get("manifest") is True or transfer.total is None:  # (chunks follow a manifest)
+                entries, counters = self._view.manifest()
+                transfer.total = sum(entry.span for entry in entries)
+                self._peer.send(requester, MANIFEST, 0, meta=Manifest.message(entries, counters, transfer.id))
+                return
+            total = transfer.total
+            chunk_bytes, chunks = meta["chunk_bytes"], meta["chunks"]
+            credit = MAX_WINDOW - (transfer.sent - min(meta["settled"], transfer.sent))
+            if len(chunks) > credit:
+                self.refused["beyond_window"] += 1
+                chunks = chunks[: max(credit, 0)]
+            for index in chunks:
+                start = index * chunk_bytes
+                if not 0 <= start < max(total, 1):
+                    self.refused["bad_chunk"] += 1
+                    continue
+                piece = self._view.read(start, min(start + chunk_bytes, total))
+                self._peer.send(requester, CHUNK, 0, [piece], {"transfer": transfer.id, "index": index})
+                transfer.sent += 1
+                self.chunks_sent += 1
+
+    def _refusal(self, requester: str, meta: Mapping[str, Any]) -> str | None:
+        """Why ``requester``'s request is not answered, or None (then its transfer is known)."""
+        now = self._peer.now()
+        members = self._peer.members()
+        for gone in [r for r in self._transfers if r not in members]:
+            del self._transfers[gone]
+        transfer_id = meta.get("transfer")
+        if type(transfer_id) is not int or not _well_formed(meta):
+            return "malformed"
+        if requester not in members:
+            return "not_a_member"
+        transfer = self._transfers.get(requester)
+        if transfer is None or transfer.id != transfer_id:
+            if transfer is None and len(self._transfers) >= MAX_TRANSFERS:
+                idlest = min(self._transfers, key=lambda r: self._transfers[r].heard)
+                if now - self._transfers[idlest].heard < RETRY_S:
+                    return "busy"
+                del self._transfers[idlest]  # (one silent this long gave up, or asks again anew)
+            transfer = self._transfers[requester] = _Transfer(transfer_id, now)
+        transfer.heard = now
+        return None
+
+
+def _well_formed(meta: Mapping[str, Any]) -> bool:
+    if meta.get("manifest") is True:
+        return True
+    chunk_bytes, chunks, settled = meta.get("chunk_bytes"), meta.get("chunks"), meta.get("settled")
+    return (
+        type(chunk_bytes) is int
+        and MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
+        and chunk_bytes % ALIGN == 0
+        and type(settled) is int
+        and settled >= 0
+        and isinstance(chunks, list)
+        and len(chunks) <= MAX_WINDOW
+        and all(type(i) is int for i in chunks)
+    )

@@ -1,0 +1,1 @@
+"""Self-tuning: values the mesh agrees on per epoch of rounds (H, the codec)."""

@@ -1,0 +1,1 @@
+"""A node's network endpoint: the transport and membership as one PeerNetwork."""

@@ -1,0 +1,1 @@
+"""Membership: discovery, failure detection, the member table and its messages."""

@@ -1,0 +1,1 @@
+"""The transport: the network thread, its sockets, what it sends and receives."""
