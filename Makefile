@@ -10,13 +10,16 @@ BIN := $(VENV)/bin
 
 venv: $(VENV)/.installed
 
-# --no-compile: Python compiles a module when it is first imported; compiling all of torch's
-# and transformers' files at install took a minute of every fresh CI run
+# Bytecode is written once, in parallel, after the installs: with PYTHONDONTWRITEBYTECODE set (as
+# in CI) no process writes it, and every process that imports torch would compile it again (~7 s
+# of CPU where reading the bytecode takes ~3). A few files written for newer Pythons (torch's
+# py312_intrinsics) do not compile and are never imported: their errors are not the install's.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet --no-compile -e ".[test]"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $@
 
 demo: venv

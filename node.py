@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from types import FrameType
 from typing import Any
 
@@ -28,17 +28,13 @@ from gossipmesh.cli import main as cli_main
 from gossipmesh.cli.main import USER_ERRORS
 from gossipmesh.config import ConfigError, NodeConfig, summary
 from gossipmesh.console import emit, say
-from gossipmesh.daemon.checkpoint import load_newest
-from gossipmesh.daemon.lifecycle import Entry
+from gossipmesh.daemon.lifecycle import join_machine, member
 from gossipmesh.daemon.local_ranks import (
     RankPlace,
-    collective_timeout,
     gather_rank_records,
-    join_local_group,
     supervise,
 )
 from gossipmesh.daemon.metrics import NodeMetrics
-from gossipmesh.daemon.peers import default_id, machine_peer, make_peer
 from gossipmesh.daemon.status_server import StatusServer
 from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_array, write_json
@@ -63,36 +59,16 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    place = RankPlace.from_environment()
-    if place is not None and config.device == "cuda":  # one device per local rank
-        config = replace(config, device=f"cuda:{place.local_rank}")
-        torch.cuda.set_device(place.local_rank)
-    group = join_local_group(config.device, collective_timeout(config)) if place is not None else None
-    if group is not None and group.rank > 0:  # rank 0 keeps the machine's state, report and metrics
-        config = replace(
-            config,
-            state_dir=None,
-            report=None,
-            save_params=None,
-            live_params=None,
-            metrics_port=None,
-            progress="none",
-        )
+    config, group = join_machine(config)
     task = config.task.make()
     model = config.dtype.apply(task.model(config.seed)).to(config.device)
     # (torch's first optimizer imports for seconds: before joining, not between joining a running
     # mesh and taking its state, while the mesh may end)
     local_optimizer = config.local_optimizer(model)
-    node_id = config.id or default_id(config.listen)
     if config.insecure:
         say(config.progress, f"WARNING: {insecure_warning()}")
-    checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
-    entry = Entry(config, resumed=checkpoint is not None)
-    peer: Peer | LocalRankPeer
-    if group is None:
-        peer = make_peer(config, model, node_id=node_id, clock=clock, first_round=entry.first_round)
-    else:
-        peer = machine_peer(config, model, group, node_id=node_id, clock=clock, first_round=entry.first_round)
+    joined = member(config, model, group, clock)
+    node_id, checkpoint, entry, peer = joined.node_id, joined.checkpoint, joined.entry, joined.peer
     peer.transport.on_failure = lambda _: stop.set()  # a node whose network died must not train on
     metrics = NodeMetrics(stale_after_s=config.startup_timeout + 10 * config.round_timeout)
     metrics.peer = peer if isinstance(peer, Peer) else None  # (a machine's rank 0 serves metrics)

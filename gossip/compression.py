@@ -1,5 +1,5 @@
 """Codecs for model deltas: ``none``, ``fp16``, ``bf16``, ``int8``, ``topk:FRACTION``,
-``randk:FRACTION`` (as in ``--compression``), and ``auto``: one of :data:`AUTO_LADDER` per
+``randk:FRACTION`` (``Codec.parse``), and ``auto``: one of :data:`AUTO_LADDER` per
 epoch of rounds, as the mesh agreed from what its links cost (``gossip.tuning.auto_codec``).
 
 A codec turns a float32 vector into wire frames plus a small meta dict, and back. Decoding is a
@@ -94,7 +94,7 @@ class Codec:
 
     @staticmethod
     def parse(spec: str, seed: int | None = None) -> Codec:
-        """A codec from its ``--compression`` spelling (``int8``, ``topk:0.01``...); raises
+        """A codec from its spelling (``int8``, ``topk:0.01``...); raises
         ``topologies.SpecError`` listing the choices. ``seed`` seeds random-k's draws."""
         name, params = parse_spec(spec, _CHOICES, "codec")
         if name == AutoCodec.name:
@@ -299,7 +299,7 @@ class AutoCodec(Codec):
     def for_round(self, round: int) -> Codec:
         if self._level_for is None:
             raise ValueError(
-                "--compression auto is chosen by the mesh each epoch: use it through GossipOptimizer"
+                "compression=auto is chosen by the mesh each epoch: use it through GossipOptimizer"
             )
         return AUTO_LADDER[self._level_for(round)]
 

@@ -52,7 +52,7 @@ class PeerNetwork(Protocol):
         ...
 
     def not_listening(self) -> frozenset[str]:
-        """The members that accept no connection (``--no-listen``): the topology never pairs
+        """The members that accept no connection (``p2p.Peer(listen=None)``): the topology never pairs
         two of them (see ``topologies.graphs.pair_with_listeners``)."""
         ...
 

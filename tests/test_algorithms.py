@@ -226,7 +226,7 @@ def test_algorithm_names_and_parameters() -> None:
     with pytest.raises(SpecError, match=re.escape("dpsgd: backup: must be >= 0, got -1")):
         Algorithm.parse("dpsgd:backup=-1")
     with pytest.raises(
-        IncompatibleOptionsError, match="--algorithm adpsgd needs a static undirected --topology"
+        IncompatibleOptionsError, match="algorithm=adpsgd needs a static undirected topology="
     ):
         Algorithm.parse("adpsgd").build(
             memory_mesh(1)[0],

@@ -80,7 +80,7 @@ def test_gossip_optimizer_steps_locally_then_averages() -> None:
 
 def test_gossip_optimizer_refuses_what_its_algorithm_cannot_do() -> None:
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(IncompatibleOptionsError, match="--compression int8 needs --algorithm choco"):
+    with pytest.raises(IncompatibleOptionsError, match="compression=int8 needs algorithm=choco"):
         GossipOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),
             peer=MemoryNetwork().join("solo"),

@@ -322,7 +322,7 @@ def test_outer_nesterov_step_matches_its_definition() -> None:
 
 def test_compression_needs_choco_and_choco_needs_a_static_graph() -> None:
     network = MemoryNetwork()
-    with pytest.raises(ValueError, match="--compression int8 needs --algorithm choco"):
+    with pytest.raises(ValueError, match="compression=int8 needs algorithm=choco"):
         Algorithm.parse("dpsgd").build(
             network.join("a"),
             vector(),
@@ -331,9 +331,7 @@ def test_compression_needs_choco_and_choco_needs_a_static_graph() -> None:
             lock=None,
             codec=Codec.parse("int8"),
         )
-    with pytest.raises(
-        IncompatibleOptionsError, match="--algorithm choco needs a static undirected --topology"
-    ):
+    with pytest.raises(IncompatibleOptionsError, match="algorithm=choco needs a static undirected topology="):
         CHOCO(network.join("b"), vector(), topology=Topology.parse("one-peer-exponential"), codec=Codec())
 
 

@@ -15,7 +15,8 @@ from helpers import addresses, wait_until
 from hostile import connect, fake_members, record_of
 from test_security import curve_for, curve_peers, make_keys
 
-from p2p import Peer, Transport, membership
+from p2p import Peer, Transport
+from p2p.membership import protocol as membership
 from p2p.membership.protocol import NEW_MEMBERS_BURST
 from p2p.membership.table import Status
 from p2p.security.curve import NodeKeys

@@ -140,7 +140,7 @@ def test_epochs_far_ahead_of_a_nodes_own_rounds_are_not_taken() -> None:
 def test_auto_refuses_algorithms_that_hide_a_rounds_cost() -> None:
     network = MemoryNetwork()
     for algorithm in ("adpsgd", "sgp", "dpsgd:overlap=1"):
-        with pytest.raises(IncompatibleOptionsError, match="auto local steps measure what a round costs"):
+        with pytest.raises(IncompatibleOptionsError, match="average_every=auto measures what a round costs"):
             GossipOptimizer(
                 torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
                 peer=network.join(algorithm),

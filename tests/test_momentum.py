@@ -90,7 +90,7 @@ def test_the_velocity_is_saved_and_a_new_state_starts_it_again() -> None:
 def test_quasi_global_momentum_does_not_go_with_an_outer_step() -> None:
     network = MemoryNetwork()
     with pytest.raises(
-        IncompatibleOptionsError, match="--quasi-global-momentum does not go with --local-steps"
+        IncompatibleOptionsError, match=r"quasi_global_momentum= does not go with an outer step \(outer_lr=\)"
     ):
         GossipOptimizer(
             torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),

@@ -100,8 +100,12 @@ def test_loading_a_state_dict_or_a_snapshot_keeps_the_buffers_mixed() -> None:
     [
         (torch.optim.Adam, {}, "give SGD with momentum > 0 in every parameter group .got Adam"),
         (partial(torch.optim.SGD, momentum=0.0), {}, r"got SGD with \[0.0\]"),
-        (partial(torch.optim.SGD, momentum=0.9), {"quasi_global_momentum": 0.9}, "--quasi-global-momentum"),
-        (partial(torch.optim.SGD, momentum=0.9), {"outer_lr": 0.7, "average_every": 10}, "--local-steps"),
+        (partial(torch.optim.SGD, momentum=0.9), {"quasi_global_momentum": 0.9}, "or quasi_global_momentum="),
+        (
+            partial(torch.optim.SGD, momentum=0.9),
+            {"outer_lr": 0.7, "average_every": 10},
+            r"not with an outer step \(outer_lr=\)",
+        ),
     ],
 )
 def test_what_cannot_mix_momentum_says_so(optimizer: type, options: dict[str, object], message: str) -> None:

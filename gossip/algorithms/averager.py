@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class IncompatibleOptionsError(ValueError):
-    """Options that do not go together; the message names them (as flags) and what to use."""
+    """Options that do not go together; the message names them as the library's arguments
+    (``compression=int8``) and what to use (the command line says ``--compression int8``)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Needs:
                 if not (family.directed or family.time_varying) and name != "file"
             ]
             raise IncompatibleOptionsError(
-                f"--algorithm {algorithm} needs a static undirected --topology "
+                f"algorithm={algorithm} needs a static undirected topology= "
                 f"({', '.join(examples[:4])}, ...), not {topology}"
             )
 
@@ -101,7 +102,7 @@ class Averager:
             model's (push-sum numerators, CHOCO's replicas) send them as the vector is.
     """
 
-    name: ClassVar[str]  # as --algorithm spells it
+    name: ClassVar[str]  # as Algorithm.parse spells it
     kinds: ClassVar[tuple[str, ...]] = ()  # message kinds this algorithm reads
     needs: ClassVar[Needs] = Needs()
     #: whether parameters are mixed outside after_step (by a background exchanger), at any time

@@ -1,31 +1,21 @@
-"""Averaging algorithms by name: ``NAME`` or ``NAME:key=value,...``, as in ``--algorithm``.
+"""Averaging algorithms by name: ``NAME`` or ``NAME:key=value,...`` (``Algorithm.parse``).
 
-==========  ========================================================  =========================
-name        what it is                                                parameters (default)
-==========  ========================================================  =========================
-dpsgd       synchronous D-PSGD; a round waits (bounded) for the       backup (0: all),
-            neighbours (overlap=1: for last round's, mixed late);     overlap (0), staleness (0),
-            every exact_every-th round averages all members           exact_every (0: never)
-sgp         Stochastic Gradient Push: push-sum on a directed,         overlap (1), staleness (256)
-            time-varying graph
-adpsgd      asynchronous pairwise averaging on a background thread;   interval_ms (5),
-            training never waits                                      staleness (1000)
-choco       CHOCO-SGD: sends compressed differences to public         gamma (by compression)
-            replicas (``--compression``)
-==========  ========================================================  =========================
-
-What each algorithm works with is declared on its class (``Averager.needs``) and checked here
-once, by :meth:`Algorithm.check`, for the command line and the library alike: only ``choco``
-compresses (the others send whole models, which a lossy codec would corrupt without the
-replicas that carry CHOCO's error feedback), only ``dpsgd`` mixes robustly, and ``adpsgd`` and
-``choco`` need a static undirected graph.
+Each algorithm is one :class:`AlgorithmFamily` in :data:`FAMILIES` (a new one: a module in this
+room and one entry there): its averager class, the parameters it takes and its row of the docs'
+table (:func:`algorithm_table`, which ``docs/algorithms.md`` holds). What each algorithm works
+with is declared on its class (``Averager.needs``) and checked here once, by
+:meth:`Algorithm.check`, for the command line and the library alike: only ``choco`` compresses
+(the others send whole models, which a lossy codec would corrupt without the replicas that carry
+CHOCO's error feedback), only ``dpsgd`` mixes robustly, and ``adpsgd`` and ``choco`` need a
+static undirected graph; ``average_every="auto"``, an outer step and the momentum options have
+their rules beside those.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,20 +34,25 @@ from topologies.spec import number
 
 
 @dataclass(frozen=True)
-class _Family:
+class AlgorithmFamily:
+    """One algorithm as the registry knows it; ``summary`` and ``parameters`` are its row of
+    the docs' table (markdown)."""
+
     averager: type[Averager]
     params: Params
     default_topology: Topology
-    renamed: Mapping[str, str]  # spelling -> the averager's keyword (staleness -> max_staleness)
+    summary: str
+    parameters: str
+    renamed: Mapping[str, str] = field(default_factory=dict)  # spelling -> the averager's keyword
     mixes_late: bool = False  # by default (overlap unless overlap=0; a background exchanger)
 
 
 _COUNT = number(int, at_least=0)
 _STALENESS = {"staleness": _COUNT}
-FAMILIES: dict[str, _Family] = {
+FAMILIES: dict[str, AlgorithmFamily] = {
     family.averager.name: family
     for family in (
-        _Family(
+        AlgorithmFamily(
             DPSGD,
             Params(
                 {
@@ -69,27 +64,85 @@ FAMILIES: dict[str, _Family] = {
                 }
             ),
             Topology("ring"),
-            {"staleness": "max_staleness"},
+            summary=(
+                "synchronous D-PSGD (Lian et al. 2017): after each step a round sends the model to the "
+                "round's neighbours, waits (bounded) for theirs and mixes"
+            ),
+            parameters=(
+                "`backup` (0 = all): proceed once that many neighbours' values are in (backup workers); "
+                "`overlap` (0; 1: mix the previous round's values, see [local "
+                "steps](compression.md#local-steps)); `staleness` (0); `exact_every` (0 = never): every "
+                "that many rounds, a round on the complete graph of the round's members, after which the "
+                "models equal their average when every value came (periodic global averaging, Chen et al. "
+                "2021; n - 1 models sent that round); `catch_up` (0 = never): a node that hears a "
+                "neighbour that many rounds ahead skips to the round after it (with `backup`, a straggler "
+                "otherwise falls ever further behind and mixes values long gone by; the report's "
+                "`staleness.rounds_skipped`; not with `overlap`)"
+            ),
+            renamed={"staleness": "max_staleness"},
         ),
-        _Family(
+        AlgorithmFamily(
             SGP,
             Params({"overlap": _COUNT, **_STALENESS}),
             Topology("one-peer-exponential"),
-            {"staleness": "max_staleness"},
+            summary=(
+                "Stochastic Gradient Push (Assran et al. 2019): push-sum of (x, w) on a directed, "
+                "time-varying graph (`one-peer-exponential` unless `--topology` says otherwise); the "
+                "model is x / w"
+            ),
+            parameters=(
+                "`overlap` (1): wait for the shares of `overlap` rounds ago, so communication hides "
+                "behind the next step; `staleness` (256)"
+            ),
+            renamed={"staleness": "max_staleness"},
             mixes_late=True,
         ),
-        _Family(
+        AlgorithmFamily(
             ADPSGD,
             Params({"interval_ms": number(float, above=0), **_STALENESS}),
             Topology("ring"),
-            {"staleness": "max_staleness"},
+            summary=(
+                "AD-PSGD (Lian et al. 2018): a background exchanger atomically averages the model with "
+                "one neighbour at a time; training never waits"
+            ),
+            parameters=("`interval_ms` (5): least time between exchanges a node starts; `staleness` (1000)"),
+            renamed={"staleness": "max_staleness"},
             mixes_late=True,
         ),
-        _Family(CHOCO, Params({"gamma": number(float, above=0, at_most=1)}), Topology("ring"), {}),
+        AlgorithmFamily(
+            CHOCO,
+            Params({"gamma": number(float, above=0, at_most=1)}),
+            Topology("ring"),
+            summary=(
+                "CHOCO-SGD (Koloskova et al. 2019): sends the compressed difference between the model and "
+                "its public copy (`--compression`); static undirected graphs"
+            ),
+            parameters=(
+                "`gamma`: consensus step size (1 for dense codecs; for `topk` and `randk` adapted each "
+                "round to the share of the owed difference a message carries: [the consensus step "
+                "size](compression.md#the-consensus-step-size))"
+            ),
+        ),
     )
 }
-ALGORITHMS = tuple(FAMILIES)
+ALGORITHMS = FAMILIES.keys()  # (a live view: a registered algorithm appears in it)
 _CHOICES = {name: family.params for name, family in FAMILIES.items()}
+
+
+def register(family: AlgorithmFamily) -> None:
+    """Add an algorithm (a plugin's, or a test's): it parses, builds and shows wherever the
+    built-in ones do (``--help``, the config checks, :func:`algorithm_table`)."""
+    name = family.averager.name
+    if name in FAMILIES:
+        raise ValueError(f"an algorithm named {name!r} is registered already")
+    FAMILIES[name] = family
+    _CHOICES[name] = family.params
+
+
+def algorithm_table() -> str:
+    """The docs' table of algorithms (markdown), one row per registered algorithm."""
+    rows = [f"| `{name}` | {family.summary} | {family.parameters} |" for name, family in FAMILIES.items()]
+    return "\n".join(["| name | what it is | parameters (default) |", "|---|---|---|", *rows])
 
 
 @dataclass(frozen=True)
@@ -97,7 +150,7 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
     """An algorithm with its parameters, e.g. ``Algorithm.parse("dpsgd:backup=1")``."""
 
     @property
-    def family(self) -> _Family:
+    def family(self) -> AlgorithmFamily:
         return FAMILIES[self.name]
 
     @property
@@ -121,21 +174,45 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         topology: Topology | None = None,
         codec: Codec | None = None,
         robust: RobustRule | None = None,
+        average_every: int | str = 1,
+        outer_step: bool = False,
+        quasi_global_momentum: float = 0.0,
+        mix_momentum: bool = False,
+        local_ranks: bool = False,
     ) -> None:
-        """Raise :class:`IncompatibleOptionsError` unless this algorithm works with the topology
-        (None: its default), the codec and the robust rule."""
+        """Raise :class:`IncompatibleOptionsError` unless this algorithm works with these
+        options of ``GossipOptimizer`` (the message names them as its arguments, ``name=``):
+        the topology (None: its default), codec and robust rule, ``average_every="auto"`` (which
+        measures rounds), an outer step (``outer_lr``), quasi-global momentum, mixed momentum
+        and local ranks (``local_group``)."""
         needs = self.family.averager.needs
         graph = topology or self.default_topology
         if codec is not None and codec.name != "none" and not needs.compression:
             raise IncompatibleOptionsError(
-                f"--compression {codec} needs --algorithm {_having('compression')}: {self.name} sends "
+                f"compression={codec} needs algorithm={_having('compression')}: {self.name} sends "
                 "whole models, and only CHOCO's replicas keep convergence under a lossy codec"
             )
         if robust is not None and not needs.robust_mixing:
             raise IncompatibleOptionsError(
-                f"--robust {robust} works with --algorithm {_having('robust_mixing')}, not {self.name}"
+                f"robust={robust} works with algorithm={_having('robust_mixing')}, not {self.name}"
             )
         needs.check_graph(self.name, graph)
+        if average_every == "auto" and self.mixes_late:
+            raise IncompatibleOptionsError(
+                f"average_every=auto measures what a round costs, which algorithm={self} hides "
+                "(it mixes a round late or in the background); use dpsgd, choco or sgp:overlap=0"
+            )
+        if quasi_global_momentum and outer_step:
+            raise IncompatibleOptionsError(
+                "quasi_global_momentum= does not go with an outer step (outer_lr=): it has a "
+                "momentum of its own (outer_momentum=)"
+            )
+        if mix_momentum and (outer_step or quasi_global_momentum or local_ranks):
+            raise IncompatibleOptionsError(
+                "mix_momentum= mixes the local optimizer's momentum: not with an outer step "
+                "(outer_lr=) or quasi_global_momentum= (momentum steps of their own), nor with "
+                "local_group= (each rank gossips a slice of the parameters alone)"
+            )
 
     def build(
         self,

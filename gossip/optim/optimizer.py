@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from gossip.algorithms.averager import IncompatibleOptionsError, RoundStats
+from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.registry import Algorithm
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.arrays import from_torch, shares_memory
@@ -38,7 +38,7 @@ from gossip.state.manifest import Snapshot, StateTransferError
 from gossip.state.server import StateServer
 from gossip.tuning.agreement import AgreeingPeer
 from gossip.tuning.auto_codec import CodecAgreement
-from gossip.tuning.auto_period import PeriodAgreement, check_auto
+from gossip.tuning.auto_period import PeriodAgreement
 from topologies import Topology
 
 DPSGD_ALGORITHM = Algorithm("dpsgd")
@@ -61,7 +61,7 @@ class GossipStatistics:
     phase_seconds: dict[str, float]  # totals per phase (``gossip.phases``)
     consensus: float | None  # the latest consensus estimate (see GossipOptimizer)
     local_steps_per_epoch: list[tuple[int, int]]  # with "auto": (first round of an epoch, its H)
-    codec_per_epoch: list[tuple[int, str]]  # with --compression auto: (first round of an epoch, its codec)
+    codec_per_epoch: list[tuple[int, str]]  # with compression=auto: (first round of an epoch, its codec)
 
 
 def saved_step_count(saved: Mapping[str, Any]) -> int:
@@ -128,7 +128,8 @@ class GossipOptimizer(torch.optim.Optimizer):
             rank 0 takes part in the mesh's agreement and the others take its H.
 
     Options that do not go together (a codec for an algorithm that sends whole models...)
-    raise ``gossip.IncompatibleOptionsError`` here, as they fail the command line's checks.
+    raise ``gossip.IncompatibleOptionsError`` (``Algorithm.check``, which the command line's
+    checks call too).
     """
 
     def __init__(
@@ -152,21 +153,19 @@ class GossipOptimizer(torch.optim.Optimizer):
     ) -> None:
         if average_every != AUTO and not (isinstance(average_every, int) and average_every >= 1):
             raise ValueError(f"average_every must be >= 1 or 'auto', got {average_every!r}")
-        if average_every == AUTO:
-            check_auto(algorithm)
+        algorithm.check(
+            topology=topology,
+            codec=compression,
+            robust=robust,
+            average_every=average_every,
+            outer_step=outer_lr is not None,
+            quasi_global_momentum=quasi_global_momentum,
+            mix_momentum=mix_momentum,
+            local_ranks=local_group is not None,
+        )
         if local_group is not None:
             local_group.check_network(peer)
         self.local_group = local_group
-        if quasi_global_momentum and outer_lr is not None:
-            raise IncompatibleOptionsError(
-                "--quasi-global-momentum does not go with --local-steps: its outer step has a "
-                "momentum of its own (--outer-momentum)"
-            )
-        if mix_momentum and (outer_lr is not None or quasi_global_momentum or local_group is not None):
-            raise IncompatibleOptionsError(
-                "--mix-momentum mixes the local optimizer's momentum: not with --local-steps or "
-                "--quasi-global-momentum (momentum steps of their own) or --local-ranks"
-            )
         super().__init__(optimizer.param_groups, optimizer.defaults)  # torch's hooks and step profiling
         self.param_groups = optimizer.param_groups  # the same groups and state as the wrapped one
         self.state = optimizer.state

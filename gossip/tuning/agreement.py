@@ -1,5 +1,5 @@
 """One value for the whole mesh per epoch of rounds, agreed with no coordinator: the self-tuning
-options (``--local-steps auto``: H, ``gossip.tuning.auto_period``; ``--compression auto``: the codec,
+options (``average_every="auto"``: H, ``gossip.tuning.auto_period``; ``compression=auto``: the codec,
 ``gossip.tuning.auto_codec``) each run one :class:`EpochAgreement` on an integer.
 
 Rounds are grouped in epochs of :data:`EPOCH_ROUNDS`. A node fixes its proposal (from what it

@@ -1,4 +1,4 @@
-"""Self-tuning compression (``--compression auto``): the codec of each epoch of rounds chosen
+"""Self-tuning compression (``Codec.parse("auto")``): the codec of each epoch of rounds chosen
 from what the node measures, one codec for the whole mesh (``gossip.tuning.agreement``).
 
 The rungs are :data:`gossip.compression.AUTO_LADDER`: float32, bfloat16, int8. After every
@@ -15,7 +15,7 @@ model raises the compression and a fast link lowers it again; the mesh takes the
 compressed proposal, so every link of the mesh is within its budget. The first epoch runs at
 the most compressed rung: safe on any link, and measured from there.
 
-With ``--local-steps auto`` as well, H and the codec are agreed side by side: each proposal
+With ``average_every="auto"`` as well, H and the codec are agreed side by side: each proposal
 sees the other's effect in the times it measures.
 """
 

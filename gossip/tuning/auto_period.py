@@ -1,4 +1,4 @@
-"""Self-tuning local steps (``--average-every auto``, ``--local-steps auto``): H chosen from what
+"""Self-tuning local steps (``average_every="auto"``): H chosen from what
 the nodes measure, one H for the whole mesh per epoch of rounds (``gossip.tuning.agreement``).
 
 Each node measures the compute time of its local steps and the time a gossip round keeps it
@@ -19,20 +19,9 @@ import math
 import statistics
 from collections import deque
 
-from gossip.algorithms.averager import IncompatibleOptionsError
-from gossip.algorithms.registry import Algorithm
 from gossip.tuning.agreement import COMM_SHARE, RECENT, EpochAgreement
 
 MAX_H = 256
-
-
-def check_auto(algorithm: Algorithm) -> None:
-    """Raise :class:`IncompatibleOptionsError` unless ``auto`` can measure the algorithm's rounds."""
-    if algorithm.mixes_late:
-        raise IncompatibleOptionsError(
-            f"auto local steps measure what a round costs, which --algorithm {algorithm} hides "
-            "(it mixes a round late or in the background); use dpsgd, choco or sgp:overlap=0"
-        )
 
 
 class PeriodAgreement(EpochAgreement):

@@ -19,15 +19,17 @@ from gossip import GossipOptimizer
 from gossipmesh.config import SimulateConfig
 from gossipmesh.sim.allreduce import RingAllreduce, ring_allreduce
 from gossipmesh.sim.links import Link, VirtualPeer
-from gossipmesh.sim.run import RoundPoint, SimResult, averaging, simulate, start_vectors
+from gossipmesh.sim.run import RoundPoint, SimResult, simulate, start_vectors
 from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, split_in_halves
-from gossipmesh.sim.training import model_nbytes, training
+from gossipmesh.sim.training import averaging_through, model_nbytes, training
 
 TABLE_ROWS = 20  # rounds shown in the table (evenly spaced, the last one always)
 DEFAULT_MODEL_BYTES = 100_000_000  # about ResNet-50 in float32
 
 
-def run(config: SimulateConfig, out: TextIO = sys.stdout) -> int:
+def run(config: SimulateConfig, out: TextIO | None = None) -> int:
+    """Simulate ``config``'s mesh and print its table (or JSON) to ``out`` (default: stdout)."""
+    out = out or sys.stdout
     scenario = _scenario(config)
     if isinstance(config.algorithm, RingAllreduce):
         result = SimResult(
@@ -75,27 +77,17 @@ def _warn_after_the_end(scenario: Scenario, end_s: float) -> None:
 
 
 def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
-    algorithm, topology = config.algorithm, config.graph
-    assert not isinstance(algorithm, RingAllreduce)
+    """Every node's optimizer made as a daemon makes its own (``Averaging.gossip_optimizer``)."""
+
+    def optimizer(model: torch.nn.Module, peer: VirtualPeer) -> GossipOptimizer:
+        return config.gossip_optimizer(config.local_optimizer(model), peer)
+
     if config.task is not None:
         task = config.task.make()
-
-        def optimizer(model: torch.nn.Module, peer: VirtualPeer) -> GossipOptimizer:
-            return GossipOptimizer(
-                config.local_optimizer(model),
-                peer=peer,
-                algorithm=algorithm,
-                topology=topology,
-                round_timeout=config.round_timeout,
-                compression=config.compression,
-                mix_momentum=config.mix_momentum,
-            )
-
         build = training(task, config.nodes, optimizer, batch_size=config.batch_size, seed=config.seed)
         return simulate(scenario, build, model_nbytes(task, config.seed))
     vectors = start_vectors(config.nodes, config.seed)
-    build = averaging(vectors, algorithm, topology, config.round_timeout, config.compression)
-    return simulate(scenario, build, vectors[0].nbytes)
+    return simulate(scenario, averaging_through(vectors, optimizer), vectors[0].nbytes)
 
 
 def _table(result: SimResult, config: SimulateConfig, out: TextIO) -> None:

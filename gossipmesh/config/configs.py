@@ -10,15 +10,14 @@ which graph, codec and robust rule live with the algorithms (``gossip.Algorithm.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from gossip import Algorithm, Codec, GossipOptimizer, PeerNetwork, RobustRule
-from gossip.optim.optimizer import AUTO
-from gossip.tuning.auto_period import check_auto
+from gossip import Algorithm, Codec, GossipOptimizer, IncompatibleOptionsError, PeerNetwork, RobustRule
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -27,6 +26,12 @@ from gossipmesh.sim.scenario import Stragglers
 from gossipmesh.tasks import DataPartition, Precision, TaskRef
 from topologies import Topology, TopologyError
 
+#: GossipOptimizer's arguments that a command line spells otherwise (the rest: ``--name``)
+_FLAG_OF_ARGUMENT = {"outer_lr": "--local-steps", "local_group": "--local-ranks"}
+_ARGUMENT = re.compile(
+    r"\b(algorithm|topology|compression|robust|average_every|outer_lr|outer_momentum"
+    r"|quasi_global_momentum|mix_momentum|local_group)=([\w.]+(?::[^\s]+)?)?"
+)
 DEFAULT_STEPS = 600
 MAX_MESH_NODES = 256
 
@@ -83,24 +88,37 @@ class Averaging(Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.algorithm.check(topology=self.topology, codec=self.compression, robust=self.robust)
-        if AUTO in (self.average_every, self.local_steps):
-            check_auto(self.algorithm)
-        check(
-            not (self.quasi_global_momentum and self.local_steps),
-            "--quasi-global-momentum",
-            "not with --local-steps: its outer step has a momentum of its own (--outer-momentum)",
-        )
-        check(
-            not (self.mix_momentum and (self.quasi_global_momentum or self.local_steps)),
-            "--mix-momentum",
-            "not with --quasi-global-momentum or --local-steps: they take momentum steps of their own",
-        )
         check(
             self.local_steps is None or self.average_every == 1,
             "--local-steps",
             "give --local-steps (with the outer step) or --average-every (without), not both",
         )
+        if isinstance(self.algorithm, Algorithm):  # (the simulator's allreduce is a time model)
+            try:
+                self.algorithm.check(
+                    topology=self.topology,
+                    codec=self.compression,
+                    robust=self.robust,
+                    average_every=self.local_steps or self.average_every,
+                    outer_step=self.local_steps is not None,
+                    quasi_global_momentum=self.quasi_global_momentum,
+                    mix_momentum=self.mix_momentum,
+                    local_ranks=getattr(self, "local_ranks", 1) > 1,
+                )
+            except IncompatibleOptionsError as exc:
+                raise ConfigError(self.in_flags(str(exc))) from None
+
+    def in_flags(self, message: str) -> str:
+        """A message of the library in the command line's words: its arguments (``name=value``,
+        ``name=``) become the flags that set them (``--name value``, ``--name``)."""
+        renamed = {**_FLAG_OF_ARGUMENT, **({"average_every": "--local-steps"} if self.local_steps else {})}
+
+        def flag_of(match: re.Match[str]) -> str:
+            name, value = match[1], match[2]
+            spelt = renamed.get(name, o.flag(name))
+            return f"{spelt} {value}" if value else spelt
+
+        return _ARGUMENT.sub(flag_of, message)
 
     @property
     def graph(self) -> Topology:
@@ -130,7 +148,18 @@ class Averaging(Options):
 
 
 @dataclass(frozen=True)
-class TrainConfig(Averaging, LocalSGD):
+class AveragedSGD(Averaging, LocalSGD):
+    """Local SGD steps averaged by gossip: what a node trains with, and a simulated node."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(
+            not self.mix_momentum or self.momentum > 0, "--mix-momentum", "there is no --momentum to mix (0)"
+        )
+
+
+@dataclass(frozen=True)
+class TrainConfig(AveragedSGD):
     """What every node of a mesh trains and how it averages (the mesh forwards these)."""
 
     title: ClassVar[str] = "training"
@@ -153,14 +182,6 @@ class TrainConfig(Averaging, LocalSGD):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.steps is None or self.duration is None, "--steps", "give --steps or --duration, not both")
-        check(
-            not self.mix_momentum or self.momentum > 0, "--mix-momentum", "there is no --momentum to mix (0)"
-        )
-        check(
-            not self.mix_momentum or self.local_ranks == 1,
-            "--mix-momentum",
-            "not with --local-ranks: each rank gossips a slice of the parameters alone",
-        )
 
     @property
     def step_budget(self) -> int | None:
@@ -304,16 +325,14 @@ class MeshConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
-class SimulateConfig(LocalSGD):
+class SimulateConfig(AveragedSGD):
     """``gossipmesh simulate``: a mesh of N nodes running the real averaging code in virtual time."""
 
     title: ClassVar[str] = "simulation"
 
     nodes: int = o.NODES.field(default=64)
-    topology: Topology | None = o.TOPOLOGY.field()
-    algorithm: Algorithm | RingAllreduce = o.SIMULATED_ALGORITHM.field()
-    compression: Codec = o.COMPRESSION.field()
-    round_timeout: float = o.ROUND_TIMEOUT.field()
+    # a gossip algorithm, or the ring-allreduce time model to compare with
+    algorithm: Algorithm | RingAllreduce = o.SIMULATED_ALGORITHM.field()  # type: ignore[assignment]
     model_size: int | None = o.MODEL_SIZE.field()
     task: TaskRef | None = o.SIMULATED_TASK.field()
     straggler: Stragglers | None = o.STRAGGLER.field()
@@ -330,7 +349,6 @@ class SimulateConfig(LocalSGD):
     partition: tuple[Partition, ...] = o.NETWORK_PARTITION.field()
     seed: int = o.SEED.field()
     json: bool = o.JSON.field()
-    mix_momentum: bool = o.MIX_MOMENTUM.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -339,11 +357,6 @@ class SimulateConfig(LocalSGD):
             "--model-size",
             "give --model-size or --task, not both",
         )
-        check(
-            not self.mix_momentum or (self.task is not None and self.momentum > 0),
-            "--mix-momentum",
-            "mixes the SGD momentum of a --task's training, with --momentum > 0",
-        )
         if isinstance(self.algorithm, RingAllreduce):
             check(self.task is None, "--task", "--algorithm allreduce is a time model; use --model-size")
             check(
@@ -351,14 +364,6 @@ class SimulateConfig(LocalSGD):
                 "--crash/--join/--partition",
                 "--algorithm allreduce is a time model without faults; simulate a gossip algorithm",
             )
-        else:
-            self.algorithm.check(topology=self.topology, codec=self.compression)
-        check(
-            self.compression.name != "auto",
-            "--compression",
-            "auto chooses from a training loop's measured round times, which a simulation does not "
-            "take; give a codec (none, bf16, int8...)",
-        )
         crashed = [round(fraction * self.nodes) for fraction, _ in self.crash]
         check(
             all(count >= 1 for count in crashed),
@@ -375,11 +380,6 @@ class SimulateConfig(LocalSGD):
             "--partition",
             "splits the nodes in two halves: needs --nodes >= 2",
         )
-
-    @property
-    def graph(self) -> Topology:
-        assert isinstance(self.algorithm, Algorithm)
-        return self.topology or self.algorithm.default_topology
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ Form = Literal["value", "switch", "list", "positional"]
 class Option:
     """Args:
     parse: text -> the typed value; a ValueError's message says what is expected.
-    help: one line for ``--help``.
+    help: one line for ``--help`` (a function of none where it lists what can be registered
+        later, such as the algorithms).
     default: the typed value when the option is not given.
     metavar: the value's name in ``--help`` (default: the field name in capitals).
     form: ``value`` (``--lr 0.1``), ``switch`` (``--insecure``; true/false in a file, 1/0 or
@@ -41,7 +42,7 @@ class Option:
     """
 
     parse: Callable[[str], Any]
-    help: str
+    help: str | Callable[[], str]
     default: Any = None
     metavar: str | None = None
     form: Form = "value"
@@ -53,6 +54,10 @@ class Option:
         if value is dataclasses.MISSING:  # a required positional
             return dataclasses.field(metadata={"option": self})
         return dataclasses.field(default=value, metadata={"option": self})
+
+    @property
+    def help_text(self) -> str:
+        return self.help() if callable(self.help) else self.help
 
     @property
     def required(self) -> bool:
@@ -130,7 +135,7 @@ TOPOLOGY = Option(
 )
 ALGORITHM = Option(
     Algorithm.parse,
-    f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}",
+    lambda: f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}",
     Algorithm("dpsgd"),
 )
 COMPRESSION = Option(
@@ -364,7 +369,7 @@ MESH_METRICS_PORT = Option(
 # -- the simulator -------------------------------------------------------------------------------
 SIMULATED_ALGORITHM = Option(
     values.simulated_algorithm,
-    f"{ALGORITHM.help}; or allreduce, the ring-allreduce time model",
+    lambda: f"{ALGORITHM.help_text}; or allreduce, the ring-allreduce time model",
     Algorithm("dpsgd"),
     metavar="A",
 )

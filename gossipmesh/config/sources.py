@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gossip import IncompatibleOptionsError
 from gossipmesh.config.configs import ConfigError, NodeConfig, Options, TrainConfig
 from gossipmesh.config.options import Option, flag, option_of
 
@@ -57,7 +56,7 @@ def add_options(parser: argparse.ArgumentParser, config: type[Options], *, files
 def _add(parser: argparse._ArgumentGroup, name: str, option: Option, default: Any) -> None:
     absent = default is None or default is False or default == () or default is dataclasses.MISSING
     shown = None if absent else option.text(default)
-    help = option.help + (f" (default: {shown})" if shown is not None else "")
+    help = option.help_text + (f" (default: {shown})" if shown is not None else "")
     metavar = option.metavar or name.upper()
     if option.form == "positional":
         nargs = None if option.required else "?"
@@ -101,10 +100,7 @@ def load(
         if name in fields:
             option = option_of(fields[name])
             values[name] = _read(option, raw, name if option.form == "positional" else flag(name))
-    try:
-        return config(**values)
-    except IncompatibleOptionsError as exc:  # the message names the flags already
-        raise ConfigError(str(exc)) from None
+    return config(**values)
 
 
 def from_namespace(config: type[Config], args: argparse.Namespace, env: Mapping[str, str] | None) -> Config:

@@ -190,6 +190,59 @@ def restore_state(checkpoint: Checkpoint, optimizer: GossipOptimizer) -> None:
     torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
 
 
+def join_machine(config: NodeConfig, device: str | None = None) -> tuple[NodeConfig, LocalGroup | None]:
+    """This process's machine under torchrun: its local group (None for a process alone) and the
+    config this rank runs. ``device``: the model's (default: ``--device``, where ``cuda`` becomes
+    this rank's own device). Local rank 0 keeps the machine's state, report and metrics."""
+    place = RankPlace.from_environment()
+    if place is None:
+        return config, None
+    if device is None and config.device == "cuda":  # one device per local rank
+        config = replace(config, device=f"cuda:{place.local_rank}")
+        torch.cuda.set_device(place.local_rank)
+    group = join_local_group(device or config.device, collective_timeout(config))
+    if group.rank > 0:
+        config = replace(
+            config,
+            state_dir=None,
+            report=None,
+            save_params=None,
+            live_params=None,
+            metrics_port=None,
+            progress="none",
+        )
+    return config, group
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node made ready to come in: its id, its newest checkpoint, how it comes in, its network."""
+
+    node_id: str
+    checkpoint: Checkpoint | None
+    entry: Entry
+    peer: Peer | LocalRankPeer
+
+
+def member(
+    config: NodeConfig,
+    model: torch.nn.Module,
+    group: LocalGroup | None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Member:
+    """The member ``config`` describes (of :func:`join_machine`'s config and group), its network
+    made and not yet started; ``clock``: the report clock of its membership events."""
+    node_id = config.id or default_id(config.listen)
+    checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
+    entry = Entry(config, resumed=checkpoint is not None)
+    peer: Peer | LocalRankPeer
+    if group is None:
+        peer = make_peer(config, model, node_id=node_id, clock=clock, first_round=entry.first_round)
+    else:
+        peer = machine_peer(config, model, group, node_id=node_id, clock=clock, first_round=entry.first_round)
+    return Member(node_id, checkpoint, entry, peer)
+
+
 class Session:
     """A node's whole life in a mesh, for a user's own training loop::
 
@@ -214,22 +267,11 @@ class Session:
     """
 
     def __init__(self, config: NodeConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        place = RankPlace.from_environment()
-        device = str(next(model.parameters()).device)
-        self.local_group = join_local_group(device, collective_timeout(config)) if place is not None else None
-        if self.local_group is not None and self.local_group.rank > 0:
-            config = replace(config, state_dir=None)  # rank 0 keeps the machine's checkpoints
+        config, self.local_group = join_machine(config, str(next(model.parameters()).device))
         self.config = config
-        self.node_id = config.id or default_id(config.listen)
-        self._checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
-        self.entry = Entry(config, resumed=self._checkpoint is not None)
-        self.peer: Peer | LocalRankPeer
-        if self.local_group is None:
-            self.peer = make_peer(config, model, node_id=self.node_id, first_round=self.entry.first_round)
-        else:
-            self.peer = machine_peer(
-                config, model, self.local_group, node_id=self.node_id, first_round=self.entry.first_round
-            )
+        joined = member(config, model, self.local_group)
+        self.node_id, self._checkpoint, self.entry = joined.node_id, joined.checkpoint, joined.entry
+        self.peer = joined.peer
         self.optimizer = config.gossip_optimizer(optimizer, self.peer, local_group=self.local_group)
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.members: list[str] = []

@@ -46,11 +46,12 @@ class RoundPoint:
 
 @dataclass
 class SimNode:
-    """One node's state: its parameters, its averager, and its local step."""
+    """One node's state: its parameters, its averager, and its local step, which says whether
+    it ended with a gossip round (a simulated round is the local steps up to one)."""
 
     params: np.ndarray
     averager: Averager
-    step: Callable[[], None]
+    step: Callable[[], bool]
     accuracy: Callable[[], float] | None = None
 
 
@@ -109,8 +110,9 @@ def averaging(
             peer, params, topology=topology, round_timeout=round_timeout, lock=None, codec=codec
         )
 
-        def step() -> None:
+        def step() -> bool:
             averager.after_step()
+            return True
 
         return SimNode(params, averager, step)
 
@@ -150,7 +152,8 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
                 node.averager.restart(first_round)
             for r in range(first_round, scenario.rounds):
                 peer.compute(step_times[index, r])
-                node.step()
+                while not node.step():
+                    peer.compute(step_times[index, r])
                 accuracy = node.accuracy() if node.accuracy else None
                 history[r].append((node.params.copy(), peer.bytes_sent, clock.now, accuracy))
                 ends.append(clock.now)

@@ -29,12 +29,13 @@ def training(task: Task, nodes: int, optimizer: MakeOptimizer, *, batch_size: in
         shard = task.shard(index % nodes, nodes, partition=IID, seed=seed)
         stream = Batches(shard, batch_size, seed=seed + index)
 
-        def step() -> None:
+        def step() -> bool:
             inputs, targets = next(stream)
             loss = task.loss(model, inputs, targets)
             gossip.zero_grad()
             loss.backward()
             gossip.step()
+            return gossip.round_ran
 
         return SimNode(gossip.flat.array, gossip.averager, step, lambda: task.evaluate(model).accuracy)
 
@@ -43,3 +44,22 @@ def training(task: Task, nodes: int, optimizer: MakeOptimizer, *, batch_size: in
 
 def model_nbytes(task: Task, seed: int) -> int:
     return sum(p.numel() * p.element_size() for p in task.model(seed).parameters())
+
+
+def averaging_through(vectors: np.ndarray, optimizer: MakeOptimizer) -> NodeFactory:
+    """Pure averaging through the optimizer layer, so every averaging option applies: node i's
+    model is one float32 parameter (as a model's, which every codec takes), ``vectors[i]``, that
+    no gradient moves (its steps only count towards the gossip rounds)."""
+
+    def build(peer: VirtualPeer, index: int, start: np.ndarray | None) -> SimNode:
+        vector = torch.tensor(vectors[index] if start is None else start, dtype=torch.float32)
+        model = torch.nn.ParameterList([torch.nn.Parameter(vector)])
+        gossip = optimizer(model, peer)
+
+        def step() -> bool:
+            gossip.step()
+            return gossip.round_ran
+
+        return SimNode(gossip.flat.array, gossip.averager, step)
+
+    return build
