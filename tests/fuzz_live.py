@@ -33,9 +33,13 @@ from hypothesis import strategies as st
 
 from gossip import CHOCO, DPSGD, SGP
 from gossip.compression import Int8, Sparse
-from gossip.state.manifest import CHUNK, MANIFEST, REQUEST, STATE_VERSION, Assembly, Manifest, Snapshot
+from gossip.messages import STATE_CHUNK as CHUNK
+from gossip.messages import STATE_MANIFEST as MANIFEST
+from gossip.messages import STATE_REQUEST as REQUEST
+from gossip.messages import STATE_VERSION, StateChunk, StateManifest
+from gossip.state.manifest import Assembly, Manifest, Snapshot
 from gossip.state.server import StateServer
-from gossipmesh.daemon.peers import MESSAGE_KINDS
+from gossipmesh.daemon.peers import message_kinds
 from p2p import Peer
 from p2p.membership.beacon import BEACON_VERSION
 from p2p.membership.protocol import Membership
@@ -46,7 +50,7 @@ from topologies import Topology
 
 SIZE = 64  # the target's model: 64 float32
 IDS = ["fuzzer", "friend", "target", "ghost"]  # the fuzzer sends as fuzzer, and as the friend
-KINDS = sorted(Membership.kinds | MESSAGE_KINDS)
+KINDS = sorted(Membership.kinds | message_kinds())
 _U64 = 2**64 - 1
 _EDGES = [0, 1, 2, 255, 2**31, 2**32, 2**53, 2**62, 2**63 - 1, 2**63, _U64]
 
@@ -240,7 +244,7 @@ class FuzzTarget:
         listen = addresses(2)
         self.friend = Peer("friend", listen[1], [listen[0]])
         self.target = Peer(
-            "target", listen[0], inbox_kinds=MESSAGE_KINDS, beacon_port=beacon_port, mesh_name="fuzz"
+            "target", listen[0], inbox_kinds=message_kinds(), beacon_port=beacon_port, mesh_name="fuzz"
         )
         self.target.transport.stats.rejections = Rejections(shun_after=2**62)  # keep reading the fuzzer
         self.errors: list[str] = []
@@ -294,16 +298,17 @@ def _take_state(message: Any) -> None:
     fuzzer's layout, check the whole)."""
     with contextlib.suppress(ValueError):
         if message.kind == MANIFEST:
-            Manifest.parse(message.meta, 1 << 16)
+            Manifest.parse(StateManifest.decode(message.meta), 1 << 16)
             return
-        layout = {
-            "version": STATE_VERSION,
-            "total": SIZE * 4,
-            "layout": [["params", "float32", [SIZE]]],
-            "counters": {},
-        }
+        layout = StateManifest(
+            transfer=0,
+            version=STATE_VERSION,
+            layout=[["params", "float32", [SIZE]]],
+            counters={},
+            total=SIZE * 4,
+        )
         assembly = Assembly(Manifest.parse(layout, 1 << 16), SIZE * 4)  # one chunk
-        if assembly.add(message.meta.get("index"), message.tensors):
+        if assembly.add(StateChunk.decode(message.meta).index, message.tensors):
             assembly.snapshot()
 
 

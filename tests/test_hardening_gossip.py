@@ -11,11 +11,14 @@ import torch
 from helpers import in_background, started_peers
 
 from gossip import CHOCO, DPSGD, GossipOptimizer
-from gossip.algorithms.choco import FULL, FULL_REQUEST, KIND
 from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
+from gossip.messages import CHOCO_FULL as FULL
+from gossip.messages import CHOCO_FULL_REQUEST as FULL_REQUEST
+from gossip.messages import CHOCO_UPDATE as KIND
+from gossip.messages import STATE_REQUEST as REQUEST
 from gossip.state.fetch import fetch_state
-from gossip.state.manifest import MAX_WINDOW, REQUEST, Snapshot, StateTransferError
+from gossip.state.manifest import MAX_WINDOW, Snapshot, StateTransferError
 from gossip.state.server import MAX_TRANSFERS, StateServer
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.lifecycle import join_running_mesh

@@ -17,14 +17,14 @@ from helpers import in_background, started_peers, wait_until
 
 import gossip.state.server
 from gossip import GossipOptimizer
+from gossip.messages import STATE_CHUNK as CHUNK
+from gossip.messages import STATE_MANIFEST as MANIFEST
+from gossip.messages import STATE_REQUEST as REQUEST
+from gossip.messages import STATE_VERSION
 from gossip.network import PeerNetwork, PeerWrapper
 from gossip.state.fetch import fetch_state
 from gossip.state.manifest import (
-    CHUNK,
-    MANIFEST,
     MAX_WINDOW,
-    REQUEST,
-    STATE_VERSION,
     Snapshot,
     StateTransferError,
     StateView,

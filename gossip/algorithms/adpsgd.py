@@ -27,10 +27,9 @@ import numpy as np
 
 from gossip.algorithms.averager import Averager, Needs
 from gossip.buffers.vector import Frames, Layout
+from gossip.messages import PAIR_REPLY, PAIR_REQUEST, Exchange, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import Topology, pair_partner
-
-REQUEST, REPLY = "pair_request", "pair_reply"
 
 
 class ADPSGD(Averager):
@@ -38,7 +37,7 @@ class ADPSGD(Averager):
     plus ``interval_s``: the least time between two exchanges this node starts."""
 
     name: ClassVar[str] = "adpsgd"
-    kinds: ClassVar[tuple[str, ...]] = (REQUEST, REPLY)
+    kinds: ClassVar[tuple[str, ...]] = (PAIR_REQUEST, PAIR_REPLY)
     needs: ClassVar[Needs] = Needs(static_undirected_graph=True)  # pairs come from the 2-colouring
     mixes_in_background: ClassVar[bool] = True
 
@@ -102,16 +101,16 @@ class ADPSGD(Averager):
         exchange = next(self._exchange_ids)
         with self.lock:
             sent = self.layout.pack(self.params.copy())
-        self.peer.send(partner, REQUEST, self.round, sent, {"exchange": exchange})
+        self.peer.send(partner, PAIR_REQUEST, self.round, sent, Exchange(exchange).encode())
         deadline = self.peer.now() + self.wait_limit()
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, self.kinds)
             if message is None:
                 if partner not in self.peer.members():
                     return
-            elif message.kind == REQUEST:
+            elif message.kind == PAIR_REQUEST:
                 self._answer(message)
-            elif message.sender == partner and message.meta.get("exchange") == exchange:
+            elif message.sender == partner and self._exchange_of(message) == exchange:
                 if self._valid(message) and self._fresh(message.round, self.round):
                     with self.lock:
                         self._take_half_difference(message, sent)
@@ -123,20 +122,30 @@ class ADPSGD(Averager):
 
     def _answer_until(self, deadline: float) -> None:
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
-            message = self.peer.recv(remaining, (REQUEST,))
+            message = self.peer.recv(remaining, (PAIR_REQUEST,))
             if message is not None:
                 self._answer(message)
 
     def _answer(self, request: Envelope) -> None:
         """The passive side: answer with our model from before, then take the mean."""
-        if not (self._valid(request) and self._fresh(request.round, self.round)):
+        exchange = self._exchange_of(request)
+        if exchange is None or not (self._valid(request) and self._fresh(request.round, self.round)):
             return
         version = self.round
         with self.lock:
             before = self.params.copy()
             self._take_mean(request)
-        meta = {"exchange": request.meta.get("exchange")}
-        self.peer.send(request.sender, REPLY, version, self.layout.pack(before), meta)
+        self.peer.send(
+            request.sender, PAIR_REPLY, version, self.layout.pack(before), Exchange(exchange).encode()
+        )
+
+    def _exchange_of(self, message: Envelope) -> int | None:
+        """The exchange a request or reply belongs to; None (counted) if it names none."""
+        try:
+            return Exchange.decode(message.meta).exchange
+        except PayloadError:
+            self.rejected["bad_payload"] += 1
+            return None
 
     def _take_mean(self, message: Envelope) -> None:
         """Replace our model with the mean of it and the message's (the caller holds the lock,

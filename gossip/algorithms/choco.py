@@ -50,12 +50,10 @@ from gossip.algorithms.averager import Averager, Needs, RoundStats
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
 from gossip.buffers.vector import Layout, add_scaled, all_finite
 from gossip.compression import Codec, CodecError, Sparse
+from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology
 
-KIND = "choco"
-FULL_REQUEST = "choco_full_request"
-FULL = "choco_full"
 MAX_PENDING = 64  # q's kept for a replica waiting for its full copy; beyond that, ask again
 
 
@@ -106,9 +104,11 @@ class StepSize:
 
 def pair_gamma(meta: Mapping[str, Any]) -> float | None:
     """The sender's γ a q or full copy names; None if it names no valid one."""
-    gamma = meta.get("gamma")
-    valid = isinstance(gamma, float) and 0 < gamma <= 1
-    return gamma if valid else None
+    try:
+        gamma = ChocoStep.decode(meta).gamma
+    except PayloadError:
+        return None
+    return gamma if 0 < gamma <= 1 else None
 
 
 @dataclass
@@ -155,7 +155,7 @@ class CHOCO(Averager):
     """
 
     name: ClassVar[str] = "choco"
-    kinds: ClassVar[tuple[str, ...]] = (KIND, FULL_REQUEST, FULL)
+    kinds: ClassVar[tuple[str, ...]] = (CHOCO_UPDATE, CHOCO_FULL_REQUEST, CHOCO_FULL)
     # every holder of a replica must see every update of it
     needs: ClassVar[Needs] = Needs(static_undirected_graph=True, compression=True)
 
@@ -200,9 +200,9 @@ class CHOCO(Averager):
             self.public += sent
             self._published, self._published_gamma = r, self.step_size.update(codec, difference, sent)
             frames = to_host(encoded.frames)
-            meta = {**encoded.meta, "codec": str(codec), "gamma": self._published_gamma}
+            meta = {**encoded.meta, "codec": str(codec), **ChocoStep(self._published_gamma).encode()}
             for target in row.send_to:
-                self.peer.send(target, KIND, r, frames, meta)
+                self.peer.send(target, CHOCO_UPDATE, r, frames, meta)
         started = self.peer.now()
         expected = self._gather(r, row)
         wait_s = self.peer.now() - started
@@ -248,14 +248,14 @@ class CHOCO(Averager):
 
     def _take(self, message: Envelope) -> None:
         sender = message.sender
-        if message.kind == FULL_REQUEST:
+        if message.kind == CHOCO_FULL_REQUEST:
             self._send_full_copy(sender)
             return
         gamma = pair_gamma(message.meta)
         if gamma is None:
             self.rejected["choco_gamma"] += 1
             return
-        if message.kind == FULL:
+        if message.kind == CHOCO_FULL:
             if self._valid(message, self.vector_layout):
                 self._heard_from(sender)
                 replica = self._replicas.setdefault(sender, _Replica())
@@ -301,8 +301,8 @@ class CHOCO(Averager):
             self.dropped["full_copy_request"] += 1
             return
         self._full_copy_sent_at[to] = now
-        meta = {"gamma": self._published_gamma}
-        self.peer.send(to, FULL, self._published, to_host([self.public.copy()]), meta)
+        meta = ChocoStep(self._published_gamma).encode()
+        self.peer.send(to, CHOCO_FULL, self._published, to_host([self.public.copy()]), meta)
         self.full_copies_sent += 1
 
     def _ask_full_copy(self, node: str, replica: _Replica) -> None:
@@ -310,7 +310,7 @@ class CHOCO(Averager):
         now = self.peer.now()
         if now - replica.asked_at >= self.round_timeout:
             replica.asked_at = now
-            self.peer.send(node, FULL_REQUEST, self.round)
+            self.peer.send(node, CHOCO_FULL_REQUEST, self.round)
 
     def _mix(self, r: int, row: MixingRow) -> set[str]:
         """x_i += Σ_j γ_ij w_ij (x̂_j - x̂_i) over the neighbours whose replica is at round r,

@@ -52,10 +52,10 @@ import numpy as np
 from gossip.algorithms.averager import Averager, Needs, RoundStats
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.vector import Frames, Layout
+from gossip.messages import PARAMS
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology
 
-KIND = "params"
 COMPLETE = Topology("complete")
 OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed mixing (see above)
 
@@ -72,7 +72,7 @@ class DPSGD(Averager):
     """
 
     name: ClassVar[str] = "dpsgd"
-    kinds: ClassVar[tuple[str, ...]] = (KIND,)
+    kinds: ClassVar[tuple[str, ...]] = (PARAMS,)
     needs: ClassVar[Needs] = Needs(robust_mixing=True)
 
     def __init__(
@@ -144,7 +144,7 @@ class DPSGD(Averager):
         snapshot = self.params.copy()  # what we send must not change while it is in flight
         frames = self.layout.pack(snapshot)
         for target in sending.send_to:
-            self.peer.send(target, KIND, r, frames)
+            self.peer.send(target, PARAMS, r, frames)
         self.round += 1
         mixed = r - self.overlap
         own = self._sent.pop(mixed, None) if self.overlap else snapshot

@@ -35,10 +35,10 @@ import numpy as np
 
 from gossip.algorithms.averager import Averager, RoundStats
 from gossip.buffers.vector import Layout, add_scaled
+from gossip.messages import PUSH
 from gossip.network import Envelope, PeerNetwork
 from topologies import Topology, mixing_row
 
-KIND = "push"
 HOLD_ROUNDS = 8
 MIN_WEIGHT = float(np.finfo(np.float64).tiny)
 
@@ -47,7 +47,7 @@ class SGP(Averager):
     """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus ``overlap`` (see above)."""
 
     name: ClassVar[str] = "sgp"
-    kinds: ClassVar[tuple[str, ...]] = (KIND,)
+    kinds: ClassVar[tuple[str, ...]] = (PUSH,)
 
     def __init__(
         self,
@@ -88,7 +88,7 @@ class SGP(Averager):
                 pushed = self.params.copy()  # it stays untouched while in flight
             weight = np.array([self.weight])
             for target in row.send_to:
-                self.peer.send(target, KIND, r, [pushed, weight])
+                self.peer.send(target, PUSH, r, [pushed, weight])
         started = self.peer.now()
         expected = self._expected(r - self.overlap)
         self._take_shares(r, expected)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gossip.messages import StateManifest
 from gossip.state.manifest import Manifest, Snapshot, split
 
 MAX_SHARED_BYTES = 1 << 40
@@ -168,12 +169,13 @@ class LocalGroup:
         if self.rank == 0:
             assert snapshot is not None
             entries, counters = snapshot.manifest()
-            meta = Manifest.message(entries, counters, transfer=0)
-            self.share_bytes(msgpack.packb(meta))
-            raw = snapshot.read(0, meta["total"])
+            message = Manifest.message(entries, counters, transfer=0)
+            self.share_bytes(msgpack.packb(message.encode()))
+            raw = snapshot.read(0, message.total)
             self.share_bytes(raw.tobytes())
             return snapshot
-        manifest = Manifest.parse(msgpack.unpackb(self.share_bytes(None)), MAX_SHARED_BYTES)
+        shared = StateManifest.decode(msgpack.unpackb(self.share_bytes(None)))
+        manifest = Manifest.parse(shared, MAX_SHARED_BYTES)
         raw = np.frombuffer(bytearray(self.share_bytes(None)), dtype=np.uint8)
         if raw.size != manifest.total:
             raise ValueError(f"rank 0 shared {raw.size} bytes of state, its manifest says {manifest.total}")

@@ -18,23 +18,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossip.messages import (
+    STATE_MANIFEST,
+    STATE_REQUEST,
+    PayloadError,
+    StateChunk,
+    StateManifest,
+    StateRequest,
+)
 from gossip.network import Envelope, PeerNetwork
 from gossip.state.manifest import (
     ALIGN,
-    CHUNK,
     CHUNK_BYTES,
-    KINDS,
-    MANIFEST,
+    JOINER_KINDS,
     MAX_CHUNK_BYTES,
     MAX_WINDOW,
     MIN_CHUNK_BYTES,
-    REQUEST,
     WINDOW,
     Assembly,
     Manifest,
     Snapshot,
     StateTransferError,
-    shown,
 )
 
 RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
@@ -146,8 +150,8 @@ class _Fetch:
                 raise self._error("")
             self._ask_for_chunks()
             wake = min([deadline, now + POLL_S, *(lane.manifest_due for lane in self.lanes.values())])
-            message = self.peer.recv(max(wake - now, 0.0), KINDS)
-            if message is not None and message.meta.get("transfer") == self.transfer:
+            message = self.peer.recv(max(wake - now, 0.0), JOINER_KINDS)
+            if message is not None:
                 self._take(message)
         assert self.assembly is not None and self.reference is not None
         try:
@@ -164,7 +168,8 @@ class _Fetch:
                 self._drop(lane, f"silent for {self.patience_s:g} s")
                 continue
             if lane.manifest is None and now >= lane.manifest_due:
-                self.peer.send(lane.source, REQUEST, 0, meta={"transfer": self.transfer, "manifest": True})
+                ask = StateRequest(self.transfer, manifest=True)
+                self.peer.send(lane.source, STATE_REQUEST, 0, meta=ask.encode())
                 lane.asks += 1  # the first is often lost (sent before the connection was up): once more soon
                 lane.manifest_due = now + (REASK_S if lane.asks == 1 else self.retry_s)
             if lane.owed and now - lane.heard >= self.retry_s:
@@ -183,13 +188,10 @@ class _Fetch:
             if not lane.owed:
                 lane.heard = time.monotonic()  # its stall clock starts now
             lane.owed.update(chunks)
-            meta = {
-                "transfer": self.transfer,
-                "chunk_bytes": self.chunk_bytes,
-                "chunks": chunks,
-                "settled": lane.settled,
-            }
-            self.peer.send(lane.source, REQUEST, 0, meta=meta)
+            ask = StateRequest(
+                self.transfer, chunk_bytes=self.chunk_bytes, chunks=chunks, settled=lane.settled
+            )
+            self.peer.send(lane.source, STATE_REQUEST, 0, meta=ask.encode())
 
     def _take_missing(self, count: int) -> list[int]:
         """Up to ``count`` chunks no lane owes and none delivered (a stalled lane's late ones)."""
@@ -205,17 +207,24 @@ class _Fetch:
         lane = self.lanes.get(message.sender)
         if lane is None:
             return
+        try:
+            payload = (StateManifest if message.kind == STATE_MANIFEST else StateChunk).decode(message.meta)
+        except PayloadError as exc:
+            self._drop(lane, str(exc))
+            return
+        if payload.transfer != self.transfer:  # (an answer to an earlier transfer of this node's)
+            return
         lane.heard = lane.last_message = time.monotonic()
         try:
-            if message.kind == MANIFEST:
-                self._take_manifest(lane, message)
-            elif message.kind == CHUNK:
-                self._take_chunk(lane, message)
+            if isinstance(payload, StateManifest):
+                self._take_manifest(lane, payload)
+            else:
+                self._take_chunk(lane, payload.index, message)
         except ValueError as exc:
             self._drop(lane, str(exc))
 
-    def _take_manifest(self, lane: _Lane, message: Envelope) -> None:
-        manifest = Manifest.parse(message.meta, self.max_bytes)  # (a source may send it again)
+    def _take_manifest(self, lane: _Lane, payload: StateManifest) -> None:
+        manifest = Manifest.parse(payload, self.max_bytes)  # (a source may send it again)
         if self.assembly is None:
             self.assembly = Assembly(manifest, self.chunk_bytes)
             self.reference = lane.source
@@ -224,10 +233,9 @@ class _Fetch:
             raise ValueError(f"its layout differs from {self.reference}'s")
         lane.manifest, lane.manifest_due = lane.manifest or manifest, math.inf
 
-    def _take_chunk(self, lane: _Lane, message: Envelope) -> None:
-        index = message.meta.get("index")
-        if self.assembly is None or type(index) is not int:
-            raise ValueError(f"chunk {shown(index)} before a manifest, or not an index")
+    def _take_chunk(self, lane: _Lane, index: int, message: Envelope) -> None:
+        if self.assembly is None:
+            raise ValueError(f"chunk {index} before a manifest")
         if self.assembly.add(index, message.tensors):  # (also a late one of a stall, still missing)
             lane.received += 1
             self.stats.chunks[lane.source] = lane.received

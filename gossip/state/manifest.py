@@ -43,12 +43,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from gossip.buffers.vector import BFLOAT16, all_finite
+from gossip.messages import STATE_CHUNK, STATE_MANIFEST, STATE_VERSION, StateManifest
 
-STATE_VERSION = 2
-REQUEST = "state_request"
-MANIFEST = "state_manifest"
-CHUNK = "state_chunk"
-KINDS = (MANIFEST, CHUNK)  # what a newcomer receives
+JOINER_KINDS = (STATE_MANIFEST, STATE_CHUNK)  # what a newcomer receives
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 256  # a source refuses smaller chunks: a message per few bytes
 MAX_CHUNK_BYTES = 8 << 20
@@ -159,33 +156,26 @@ class Manifest:
         return max(1, math.ceil(self.total / chunk_bytes))
 
     @classmethod
-    def message(cls, entries: Sequence[Entry], counters: Counters, transfer: int) -> dict[str, Any]:
-        """The manifest message's meta."""
-        return {
-            "transfer": transfer,
-            "version": STATE_VERSION,
-            "layout": [entry.wire() for entry in entries],
-            "counters": dict(counters),
-            "total": sum(entry.span for entry in entries),
-        }
+    def message(cls, entries: Sequence[Entry], counters: Counters, transfer: int) -> StateManifest:
+        """The manifest message's payload."""
+        return StateManifest(
+            transfer=transfer,
+            version=STATE_VERSION,
+            layout=[entry.wire() for entry in entries],
+            counters=dict(counters),
+            total=sum(entry.span for entry in entries),
+        )
 
     @classmethod
-    def parse(cls, meta: Mapping[str, Any], max_bytes: int) -> Manifest:
-        """Raises ValueError with what is wrong."""
-        if meta.get("version") != STATE_VERSION:
-            raise ValueError(f"version {meta.get('version')!r}, this node reads {STATE_VERSION}")
-        total, raw_layout, counters = (meta.get(k) for k in ("total", "layout", "counters"))
-        if type(total) is not int or not 0 <= total <= max_bytes:
+    def parse(cls, payload: StateManifest, max_bytes: int) -> Manifest:
+        """Raises ValueError with what is wrong (its version and types are checked already)."""
+        total, counters = payload.total, payload.counters
+        if not 0 <= total <= max_bytes:
             raise ValueError(f"total size {total!r} is not in 0..{max_bytes}")
-        if not isinstance(counters, dict) or not all(
-            isinstance(k, str) and type(v) in (int, float) and 0 <= v <= MAX_COUNTER
-            for k, v in counters.items()
-        ):
+        if not all(type(v) in (int, float) and 0 <= v <= MAX_COUNTER for v in counters.values()):
             raise ValueError(f"counters must map names to numbers in 0..{MAX_COUNTER}")
-        if not isinstance(raw_layout, list):
-            raise ValueError("no layout")
         entries = []
-        for entry in raw_layout:
+        for entry in payload.layout:
             if (
                 not isinstance(entry, list)
                 or len(entry) != 3

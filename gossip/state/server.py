@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from gossip.messages import (
+    STATE_CHUNK,
+    STATE_MANIFEST,
+    STATE_REQUEST,
+    PayloadError,
+    StateChunk,
+    StateRequest,
+)
 from gossip.network import Background, Envelope, PeerNetwork
 from gossip.state.manifest import (
     ALIGN,
-    CHUNK,
-    MANIFEST,
     MAX_CHUNK_BYTES,
     MAX_WINDOW,
     MIN_CHUNK_BYTES,
-    REQUEST,
     Manifest,
     StateView,
 )
@@ -69,7 +72,7 @@ class StateServer:
         copies), and go on answering on a thread of its own while they come."""
         if self._serving or self._stop.is_set():
             return
-        request = self._peer.recv(0, (REQUEST,))
+        request = self._peer.recv(0, (STATE_REQUEST,))
         if request is None:
             return
         self._answer(request)
@@ -80,7 +83,7 @@ class StateServer:
         """Answer the requests waiting (the first for up to ``wait`` s); how many were taken."""
         answered = 0
         while not self._stop.is_set():
-            request = self._peer.recv(wait if not answered else 0, (REQUEST,))
+            request = self._peer.recv(wait if not answered else 0, (STATE_REQUEST,))
             if request is None:
                 break
             self._answer(request)
@@ -106,20 +109,27 @@ class StateServer:
 
     def _answer(self, request: Envelope) -> None:
         with self._lock:
-            reason = self._refusal(request.sender, request.meta)
+            try:
+                ask = StateRequest.decode(request.meta)
+            except PayloadError:
+                ask = None
+            reason = self._refusal(request.sender, ask)
             if reason is not None:
                 self.refused[reason] += 1
                 return
-            meta, requester = request.meta, request.sender
+            assert ask is not None
+            requester = request.sender
             transfer = self._transfers[requester]
-            if meta.get("manifest") is True or transfer.total is None:  # (chunks follow a manifest)
+            if ask.manifest or transfer.total is None:  # (chunks follow a manifest)
                 entries, counters = self._view.manifest()
                 transfer.total = sum(entry.span for entry in entries)
-                self._peer.send(requester, MANIFEST, 0, meta=Manifest.message(entries, counters, transfer.id))
+                manifest = Manifest.message(entries, counters, transfer.id)
+                self._peer.send(requester, STATE_MANIFEST, 0, meta=manifest.encode())
                 return
             total = transfer.total
-            chunk_bytes, chunks = meta["chunk_bytes"], meta["chunks"]
-            credit = MAX_WINDOW - (transfer.sent - min(meta["settled"], transfer.sent))
+            assert ask.chunk_bytes is not None and ask.chunks is not None and ask.settled is not None
+            chunk_bytes, chunks = ask.chunk_bytes, ask.chunks
+            credit = MAX_WINDOW - (transfer.sent - min(ask.settled, transfer.sent))
             if len(chunks) > credit:
                 self.refused["beyond_window"] += 1
                 chunks = chunks[: max(credit, 0)]
@@ -129,44 +139,43 @@ class StateServer:
                     self.refused["bad_chunk"] += 1
                     continue
                 piece = self._view.read(start, min(start + chunk_bytes, total))
-                self._peer.send(requester, CHUNK, 0, [piece], {"transfer": transfer.id, "index": index})
+                self._peer.send(requester, STATE_CHUNK, 0, [piece], StateChunk(transfer.id, index).encode())
                 transfer.sent += 1
                 self.chunks_sent += 1
 
-    def _refusal(self, requester: str, meta: Mapping[str, Any]) -> str | None:
-        """Why ``requester``'s request is not answered, or None (then its transfer is known)."""
+    def _refusal(self, requester: str, ask: StateRequest | None) -> str | None:
+        """Why ``requester``'s request (None: one that did not decode) is not answered, or None
+        (then its transfer is known)."""
         now = self._peer.now()
         members = self._peer.members()
         for gone in [r for r in self._transfers if r not in members]:
             del self._transfers[gone]
-        transfer_id = meta.get("transfer")
-        if type(transfer_id) is not int or not _well_formed(meta):
+        if ask is None or not _well_formed(ask):
             return "malformed"
         if requester not in members:
             return "not_a_member"
         transfer = self._transfers.get(requester)
-        if transfer is None or transfer.id != transfer_id:
+        if transfer is None or transfer.id != ask.transfer:
             if transfer is None and len(self._transfers) >= MAX_TRANSFERS:
                 idlest = min(self._transfers, key=lambda r: self._transfers[r].heard)
                 if now - self._transfers[idlest].heard < RETRY_S:
                     return "busy"
                 del self._transfers[idlest]  # (one silent this long gave up, or asks again anew)
-            transfer = self._transfers[requester] = _Transfer(transfer_id, now)
+            transfer = self._transfers[requester] = _Transfer(ask.transfer, now)
         transfer.heard = now
         return None
 
 
-def _well_formed(meta: Mapping[str, Any]) -> bool:
-    if meta.get("manifest") is True:
+def _well_formed(ask: StateRequest) -> bool:
+    if ask.manifest:
         return True
-    chunk_bytes, chunks, settled = meta.get("chunk_bytes"), meta.get("chunks"), meta.get("settled")
+    chunk_bytes, chunks, settled = ask.chunk_bytes, ask.chunks, ask.settled
     return (
-        type(chunk_bytes) is int
+        chunk_bytes is not None
         and MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
         and chunk_bytes % ALIGN == 0
-        and type(settled) is int
+        and settled is not None
         and settled >= 0
-        and isinstance(chunks, list)
+        and chunks is not None
         and len(chunks) <= MAX_WINDOW
-        and all(type(i) is int for i in chunks)
     )

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gossip import ADPSGD, CHOCO, DPSGD, SGP
+from gossip.algorithms.registry import FAMILIES
 from gossip.buffers.flat import host_vector_bytes
+from gossip.messages import STATE_REQUEST
 from gossip.optim.local_group import LocalGroup
 from gossip.state import manifest as state
 from gossipmesh.config import NodeConfig
@@ -25,10 +26,13 @@ from p2p.security.curve import Curve, insecure_warning
 from p2p.wire import Limits
 
 log = logging.getLogger(NODE_LOGGER)
-#: what a daemon's inbox takes: the algorithms' and state transfer's kinds (others are rejected)
-MESSAGE_KINDS = frozenset(
-    {*DPSGD.kinds, *SGP.kinds, *ADPSGD.kinds, *CHOCO.kinds, state.REQUEST, *state.KINDS}
-)
+
+
+def message_kinds() -> frozenset[str]:
+    """What a daemon's inbox takes: every registered algorithm's kinds and state transfer's
+    (others are rejected)."""
+    algorithms = {kind for family in FAMILIES.values() for kind in family.averager.kinds}
+    return frozenset({*algorithms, STATE_REQUEST, *state.JOINER_KINDS})
 
 
 def make_peer(
@@ -48,7 +52,7 @@ def make_peer(
         None if config.no_listen else config.listen,
         config.bootstrap,
         advertise=config.advertise,
-        inbox_kinds=MESSAGE_KINDS,
+        inbox_kinds=message_kinds(),
         limits=_limits(model),
         profile=PROFILES[config.profile],
         clock=clock,

@@ -51,6 +51,18 @@ from typing import Any
 
 from p2p.address import AddressError, parse_member_address
 from p2p.membership.contacts import Contacts
+from p2p.membership.messages import (
+    ACK,
+    GOSSIP,
+    KINDS,
+    PING,
+    PING_REQ,
+    ROUTE,
+    SYNC,
+    SYNC_REPLY,
+    News,
+    PayloadError,
+)
 from p2p.membership.outbox import Outbox, table_chunks
 from p2p.membership.table import Change, ConflictError, Member, MemberTable, Status, new_session, refuted
 from p2p.security.ratelimit import Bucket, KeyedLimiter, QuietLog
@@ -133,7 +145,7 @@ class Membership:
             hear of others some other way, e.g. a LAN beacon).
     """
 
-    kinds = frozenset({"ping", "ack", "ping_req", "gossip", "sync", "sync_reply", "route"})
+    kinds = KINDS
 
     def __init__(
         self,
@@ -261,7 +273,7 @@ class Membership:
         elif not self._beacons.take(time.monotonic()):
             self._transport.stats.drop("beacon_rate")
         else:
-            self._send_table(address, "sync", key=key or None, member=False)
+            self._send_table(address, SYNC, key=key or None, member=False)
 
     def probe_soon(self, node_id: str) -> None:
         """Probe ``node_id`` next (the application saw it fall silent); at most once per
@@ -271,20 +283,24 @@ class Membership:
     # -- network thread: the service interface ------------------------------------------------
 
     def on_message(self, message: Message) -> None:
-        meta = message.meta
         peer = self._transport.peer_name(message)
-        self._merge(message, peer)
-        if message.kind == "ping":
-            payload = {"probe": meta.get("probe"), "updates": self._piggyback()}
-            self._reply(message, "ack", payload, peer)
-        elif message.kind == "ack":
-            self._on_ack(meta.get("probe"))
-        elif message.kind == "ping_req":
-            self._on_ping_request(message, peer)
-        elif message.kind == "sync":
-            address = self._reply_address(message, peer)
+        try:
+            news = News.decode(message.kind, message.meta)
+        except PayloadError as exc:
+            self._transport.reject(peer, "bad_membership", str(exc))
+            return
+        self._merge(message, news.updates, peer)
+        if message.kind == PING:
+            self._reply(message, news, ACK, News(self._piggyback(), probe=news.probe), peer)
+        elif message.kind == ACK:
+            assert news.probe is not None
+            self._on_ack(news.probe)
+        elif message.kind == PING_REQ:
+            self._on_ping_request(message, news, peer)
+        elif message.kind == SYNC:
+            address = self._reply_address(message, news, peer)
             if address is not None:
-                self._send_table(address, "sync_reply", key=message.key or None, member=False)
+                self._send_table(address, SYNC_REPLY, key=message.key or None, member=False)
 
     def screen(self, message: Message) -> bool:
         """The transport's check of a message for the inbox (see :func:`from_member`)."""
@@ -297,7 +313,7 @@ class Membership:
         live = {m.address for m in self._table.live()}
         for address in self._contacts.due(now, live, self._me.address):
             self._transport.disconnect(address)  # a refused CURVE handshake is not retried by ZeroMQ
-            self._send_table(address, "sync", key=None, member=False)
+            self._send_table(address, SYNC, key=None, member=False)
         if self._me.status == Status.LEFT:
             return now + 1.0
         self._check_probe(now)
@@ -337,7 +353,7 @@ class Membership:
     def _push_pull(self) -> None:
         live = self._reachable_live()
         if live:
-            self._send_table_to(self._rng.choice(live), "sync")
+            self._send_table_to(self._rng.choice(live), SYNC)
 
     def _reconnect(self) -> None:
         """Swap tables with a member held dead, over a fresh connection (the old one may be
@@ -347,7 +363,7 @@ class Membership:
         if dead:
             member = self._rng.choice(dead)
             self._transport.disconnect(member.address)
-            self._send_table(member.address, "sync", key=member.key or None, member=False)
+            self._send_table(member.address, SYNC, key=member.key or None, member=False)
 
     # -- probing ------------------------------------------------------------------------------
 
@@ -362,7 +378,7 @@ class Membership:
             direct_deadline=now + self.profile.probe_timeout_s,
             final_deadline=now + self.profile.probe_interval_s / 2,
         )
-        self._send_to(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
+        self._send_to(target, PING, News(self._piggyback(), probe=probe_id))
 
     def _can_reach(self, member: Member) -> bool:
         """Whether this node can send to ``member``: one that does not listen (see the module
@@ -380,7 +396,7 @@ class Membership:
         for node_id, member in live.items():
             if now - self._routes_renewed.get(node_id, -math.inf) >= ROUTE_REFRESH_S:
                 self._routes_renewed[node_id] = now
-                self._send_to(member, "route", {})
+                self._send_to(member, ROUTE, News([]))
 
     def _next_target(self, now: float) -> Member | None:
         """Round-robin over the live members in a random order, reshuffled every pass."""
@@ -428,27 +444,28 @@ class Membership:
                 if m.id != probe.target and (m.reachable or target.reachable)
             ]
             for helper in self._rng.sample(helpers, min(self.profile.indirect_probes, len(helpers))):
-                self._send_to(helper, "ping_req", {"probe": probe.probe_id, "target": target.address})
+                self._send_to(helper, PING_REQ, News([], probe=probe.probe_id, target=target.address))
         elif now >= probe.final_deadline:
             self._probe = None
             if target.status == Status.ALIVE:
                 self._note(replace(target, status=Status.SUSPECT), now)
 
-    def _on_ack(self, probe_id: Any) -> None:
+    def _on_ack(self, probe_id: int) -> None:
         if self._probe is not None and probe_id == self._probe.probe_id:
             self._probe = None  # answered
-        elif isinstance(probe_id, int) and probe_id in self._forwards:
+        elif probe_id in self._forwards:
             requester, key, their_probe, _ = self._forwards.pop(probe_id)
-            self._send(requester, "ack", {"probe": their_probe}, key=key, member=False)
+            self._send(requester, ACK, News([], probe=their_probe), key=key, member=False)
 
-    def _on_ping_request(self, message: Message, peer: str) -> None:
+    def _on_ping_request(self, message: Message, news: News, peer: str) -> None:
         """Ping a member for another one; only a live member, and only so many at once."""
-        their_probe = message.meta.get("probe")
-        target = next((m for m in self._table.live() if m.address == message.meta.get("target")), None)
-        requester = self._reply_address(message, peer)
-        if type(their_probe) is not int or requester is None:
-            self._transport.reject(peer, "bad_membership", "ping_req without a probe")
-        elif target is None or not self._can_reach(target):  # not (or no longer) a live member
+        their_probe = news.probe
+        assert their_probe is not None
+        target = next((m for m in self._table.live() if m.address == news.target), None)
+        requester = self._reply_address(message, news, peer)
+        if requester is None:  # (rejected: no address to answer)
+            return
+        if target is None or not self._can_reach(target):  # not (or no longer) a live member
             self._transport.stats.drop("ping_req_not_a_member")  # here, or not one we can reach
         elif len(self._forwards) >= MAX_FORWARDS:
             self._transport.stats.drop("ping_req_backlog")
@@ -459,7 +476,7 @@ class Membership:
         probe_id = next(self._probe_ids)
         expiry = time.monotonic() + self.profile.probe_interval_s
         self._forwards[probe_id] = (requester, key, their_probe, expiry)
-        self._send_to(target, "ping", {"probe": probe_id, "updates": self._piggyback()})
+        self._send_to(target, PING, News(self._piggyback(), probe=probe_id))
 
     def _declare_dead(self, now: float) -> None:
         for node_id, deadline in list(self._suspicions.items()):
@@ -472,12 +489,8 @@ class Membership:
 
     # -- news ---------------------------------------------------------------------------------
 
-    def _merge(self, message: Message, peer: str) -> None:
+    def _merge(self, message: Message, updates: list[Any], peer: str) -> None:
         """Apply a message's updates, first-hand or second-hand (see the module docstring)."""
-        updates = message.meta.get("updates")
-        if not isinstance(updates, list):
-            self._transport.reject(peer, "bad_membership", "no list of updates")
-            return
         now = time.monotonic()
         for raw in updates:
             try:
@@ -526,11 +539,11 @@ class Membership:
             # TABLES_PER_S for members heard of second-hand (a flood of names would cost a table
             # per name), our own record
             if first_hand or self._tables.take(now):
-                self._send_table_to(member, "sync")
+                self._send_table_to(member, SYNC)
             else:
-                self._send_to(member, "gossip", {"updates": []})
+                self._send_to(member, GOSSIP, News([]))
         if change.event in ("suspected", "dead"):  # so it can refute, or rejoin, as soon as it can
-            self._send_to(member, "gossip", {"updates": [member.to_wire()]})
+            self._send_to(member, GOSSIP, News([member.to_wire()]))
         self._queue(member)
         self._publish()
 
@@ -550,7 +563,7 @@ class Membership:
         self._me = me
         self._publish()
         for member in self._reachable_live():
-            self._send_to(member, "gossip", {"updates": [me.to_wire()]})
+            self._send_to(member, GOSSIP, News([me.to_wire()]))
         self._queue(me)
 
     def _queue(self, member: Member) -> None:
@@ -571,7 +584,7 @@ class Membership:
         if not self._broadcasts or not live:
             return
         for member in self._rng.sample(live, min(self.profile.gossip_fanout, len(live))):
-            self._send_to(member, "gossip", {"updates": self._piggyback()})
+            self._send_to(member, GOSSIP, News(self._piggyback()))
 
     def _publish(self) -> None:
         """Refresh the view other threads read, and wake anyone waiting on a round."""
@@ -593,16 +606,15 @@ class Membership:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def _send_to(self, member: Member, kind: str, meta: dict[str, Any]) -> None:
+    def _send_to(self, member: Member, kind: str, news: News) -> None:
         if self._can_reach(member):
-            self._send(member.address, kind, meta, key=member.key or None, member=True)
+            self._send(member.address, kind, news, key=member.key or None, member=True)
 
-    def _send(self, address: str, kind: str, meta: dict[str, Any], *, key: str | None, member: bool) -> None:
+    def _send(self, address: str, kind: str, news: News, *, key: str | None, member: bool) -> None:
         """Send (once the connection is up). Every message carries our own record, so any
         contact makes us known to the receiver."""
-        updates = [self._me.to_wire(), *meta.get("updates", [])]
-        meta = {**meta, "updates": updates, "reply_to": self._transport.address}
-        self._outbox.send(time.monotonic(), address, kind, meta, key=key, member=member)
+        ours = replace(news, updates=[self._me.to_wire(), *news.updates], reply_to=self._transport.address)
+        self._outbox.send(time.monotonic(), address, kind, ours.encode(), key=key, member=member)
 
     def _send_table_to(self, member: Member, kind: str) -> None:
         if self._can_reach(member):
@@ -613,19 +625,19 @@ class Membership:
         the others when it does not fit one message."""
         chunks = table_chunks([m.to_wire() for m in self._table.members.values()])
         for i, chunk in enumerate(chunks):
-            self._send(address, kind if i == 0 else "gossip", {"updates": chunk}, key=key, member=member)
+            self._send(address, kind if i == 0 else GOSSIP, News(chunk), key=key, member=member)
 
-    def _reply_address(self, message: Message, peer: str) -> str | None:
+    def _reply_address(self, message: Message, news: News, peer: str) -> str | None:
         try:
-            return parse_member_address(str(message.meta.get("reply_to")), message.sender)
+            return parse_member_address(str(news.reply_to), message.sender)
         except AddressError as exc:
             self._transport.reject(peer, "bad_membership", str(exc))
             return None
 
-    def _reply(self, message: Message, kind: str, payload: dict[str, Any], peer: str) -> None:
-        address = self._reply_address(message, peer)
+    def _reply(self, message: Message, news: News, kind: str, answer: News, peer: str) -> None:
+        address = self._reply_address(message, news, peer)
         if address is not None:
-            self._send(address, kind, payload, key=message.key or None, member=False)
+            self._send(address, kind, answer, key=message.key or None, member=False)
 
 
 def from_member(transport: Transport, member: Member | None, message: Message) -> bool:
