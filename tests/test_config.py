@@ -364,7 +364,7 @@ def test_an_option_of_a_group_appears_in_every_command_that_takes_the_group() ->
         assert commands, group
         for command in commands:
             assert {f.name for f in dataclasses.fields(group)} <= set(_actions(command)), (group, command)
-    assert {c for c, config in takes.items() if issubclass(config, Averaging)} == {"node", "mesh"}
+    assert {c for c, config in takes.items() if issubclass(config, Averaging)} == {"node", "mesh", "simulate"}
     assert {c for c, config in takes.items() if issubclass(config, LocalSGD)} == {"node", "mesh", "simulate"}
 
 

@@ -24,6 +24,7 @@ import gossipmesh.daemon.status_server
 import gossipmesh.daemon.trainer
 import node
 from gossipmesh.config import NodeConfig, node_config
+from gossipmesh.daemon import lifecycle
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.status_server import MAX_CONNECTIONS, StatusServer
@@ -107,8 +108,8 @@ def test_a_daemon_whose_network_thread_dies_stops_and_fails(
 ) -> None:
     """Supervision: the daemon does not train on alone; it fails (exit status 1 from main)."""
     peers: list[Peer] = []
-    make_peer = node.make_peer
-    monkeypatch.setattr(node, "make_peer", lambda *a, **k: peers.append(make_peer(*a, **k)) or peers[-1])
+    make_peer = lifecycle.make_peer
+    monkeypatch.setattr(lifecycle, "make_peer", lambda *a, **k: peers.append(make_peer(*a, **k)) or peers[-1])
     report = tmp_path / "report.json"
     config = NodeConfig(
         insecure=True, listen="tcp://127.0.0.1:0", steps=100_000, report=report, progress="none"

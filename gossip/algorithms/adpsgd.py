@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import itertools
 import threading
-from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from gossip.algorithms.averager import Averager, Needs
-from gossip.buffers.vector import Frames, Layout
+from gossip.algorithms.averager import Averager, AveragerOptions, Needs
+from gossip.buffers.vector import Frames
 from gossip.messages import PAIR_REPLY, PAIR_REQUEST, Exchange, PayloadError
 from gossip.network import Envelope, PeerNetwork
-from topologies import Topology, pair_partner
+from topologies import pair_partner
+
+if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
+    from typing import Unpack
 
 
 class ADPSGD(Averager):
@@ -46,22 +48,11 @@ class ADPSGD(Averager):
         peer: PeerNetwork,
         params: np.ndarray,
         *,
-        topology: Topology,
-        round_timeout: float = 2.0,
-        lock: AbstractContextManager[object] | None = None,
-        layout: Layout | None = None,
         max_staleness: int = 1000,
         interval_s: float = 0.005,
+        **common: Unpack[AveragerOptions],
     ) -> None:
-        super().__init__(
-            peer,
-            params,
-            topology=topology,
-            round_timeout=round_timeout,
-            lock=lock,
-            max_staleness=max_staleness,
-            layout=layout,
-        )
+        super().__init__(peer, params, max_staleness=max_staleness, **common)
         self.interval_s = interval_s
         self.exchanges = 0
         self._exchange_ids = itertools.count(1)

@@ -15,13 +15,16 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 import numpy as np
 
 from gossip.buffers.vector import Layout, all_finite, scratch_for
 from gossip.network import Envelope, PeerNetwork
 from topologies import FAMILIES, MixingRow, Topology, mixing_row
+
+if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
+    from typing import Required, Unpack
 
 WAIT_FACTOR = 10.0
 MIN_WAIT_S = 0.05
@@ -84,22 +87,37 @@ class Staleness:
         return {"mean": round(mean, 3), "max": self.max, "accepted": self.accepted, "dropped": dropped}
 
 
+ROUND_TIMEOUT_S = 2.0
+
+
+class AveragerOptions(TypedDict, total=False):
+    """The keywords every averager takes, declared once (each algorithm adds its own).
+
+    topology: the graph (or schedule) to average on.
+    round_timeout: the longest any wait for a neighbour lasts, in seconds (before there is a
+        history of rounds, and as the cap of the adaptive wait); default ``ROUND_TIMEOUT_S``.
+    lock: held while ``params`` is written, so readers (evaluation, the optimizer) never see
+        half an update; None: no lock.
+    layout: how model values go on the wire (``FlatParameters.layout``: bfloat16 buckets in 2
+        bytes); None: the vector as it is. Algorithms that send other values than the model's
+        (push-sum numerators, CHOCO's replicas) send them as the vector is.
+    """
+
+    topology: Required[Topology]
+    round_timeout: float
+    lock: AbstractContextManager[object] | None
+    layout: Layout | None
+
+
 class Averager:
     """Base of the algorithms; see the module docstring.
 
     Args:
         peer: the node's network (``p2p.Peer`` or the in-memory network).
         params: the flat parameter buffer (a numpy view of the model), mixed in place.
-        topology: the graph (or schedule) to average on.
-        round_timeout: the longest any wait for a neighbour lasts, in seconds (before there is a
-            history of rounds, and as the cap of the adaptive wait).
-        lock: held while ``params`` is written, so readers (evaluation, the optimizer) never
-            see half an update.
         max_staleness: the oldest message (in rounds behind this node) that is still mixed in;
             older ones are dropped and counted.
-        layout: how model values go on the wire (``FlatParameters.layout``: bfloat16 buckets
-            in 2 bytes); None: the vector as it is. Algorithms that send other values than the
-            model's (push-sum numerators, CHOCO's replicas) send them as the vector is.
+        common: :class:`AveragerOptions`.
     """
 
     name: ClassVar[str]  # as Algorithm.parse spells it
@@ -113,19 +131,19 @@ class Averager:
         peer: PeerNetwork,
         params: np.ndarray,
         *,
-        topology: Topology,
-        round_timeout: float = 2.0,
-        lock: AbstractContextManager[object] | None = None,
         max_staleness: int = 0,
-        layout: Layout | None = None,
+        **common: Unpack[AveragerOptions],
     ) -> None:
+        if "topology" not in common:
+            raise TypeError(f"{type(self).__name__} needs topology= (the graph to average on)")
+        topology, layout, lock = common["topology"], common.get("layout"), common.get("lock")
         self.needs.check_graph(self.name, topology)
         self.peer = peer
         self.params = params
         self.vector_layout = Layout.of(params)  # the vector as it is (push-sum shares, replicas)
         self.layout = layout or self.vector_layout  # model values as the model holds them
         self.topology = topology
-        self.round_timeout = round_timeout
+        self.round_timeout = common.get("round_timeout", ROUND_TIMEOUT_S)
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.max_staleness = max_staleness
         self.round = 0

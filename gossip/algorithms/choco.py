@@ -40,19 +40,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gossip.algorithms.averager import Averager, Needs, RoundStats
+from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
-from gossip.buffers.vector import Layout, add_scaled, all_finite
+from gossip.buffers.vector import add_scaled, all_finite
 from gossip.compression import Codec, CodecError, Sparse
 from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep, PayloadError
 from gossip.network import Envelope, PeerNetwork
-from topologies import MixingRow, Topology
+from topologies import MixingRow
+
+if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
+    from typing import Unpack
 
 MAX_PENDING = 64  # q's kept for a replica waiting for its full copy; beyond that, ask again
 
@@ -164,18 +166,13 @@ class CHOCO(Averager):
         peer: PeerNetwork,
         params: Array,
         *,
-        topology: Topology,
         codec: Codec,
-        round_timeout: float = 2.0,
-        lock: AbstractContextManager[object] | None = None,
-        layout: Layout | None = None,
         gamma: float | None = None,
+        **common: Unpack[AveragerOptions],
     ) -> None:
         if params.dtype != np.float32:
             raise ValueError(f"CHOCO's codecs work on float32 parameters, not {params.dtype}")
-        super().__init__(
-            peer, params, topology=topology, round_timeout=round_timeout, lock=lock, layout=layout
-        )
+        super().__init__(peer, params, **common)
         self.codec = codec
         self.step_size = StepSize(gamma)
         self.public = params.copy()  # x̂_i

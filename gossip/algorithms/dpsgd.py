@@ -44,17 +44,19 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from gossip.algorithms.averager import Averager, Needs, RoundStats
+from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
 from gossip.algorithms.robust import RobustRule
-from gossip.buffers.vector import Frames, Layout
+from gossip.buffers.vector import Frames
 from gossip.messages import PARAMS
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology
+
+if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
+    from typing import Unpack
 
 COMPLETE = Topology("complete")
 OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed mixing (see above)
@@ -80,10 +82,6 @@ class DPSGD(Averager):
         peer: PeerNetwork,
         params: np.ndarray,
         *,
-        topology: Topology,
-        round_timeout: float = 2.0,
-        lock: AbstractContextManager[object] | None = None,
-        layout: Layout | None = None,
         max_staleness: int = 0,
         backup: int = 0,
         overlap: int = 0,
@@ -91,16 +89,9 @@ class DPSGD(Averager):
         robust: RobustRule | None = None,
         exact_every: int = 0,
         catch_up: int = 0,
+        **common: Unpack[AveragerOptions],
     ) -> None:
-        super().__init__(
-            peer,
-            params,
-            topology=topology,
-            round_timeout=round_timeout,
-            lock=lock,
-            max_staleness=max_staleness,
-            layout=layout,
-        )
+        super().__init__(peer, params, max_staleness=max_staleness, **common)
         if overlap not in (0, 1):
             raise ValueError(f"dpsgd overlap is 0 or 1 round, got {overlap}")
         if catch_up and overlap:

@@ -28,16 +28,18 @@ while mass is conserved, and a node that keeps losing mass drives its weight tow
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from gossip.algorithms.averager import Averager, RoundStats
-from gossip.buffers.vector import Layout, add_scaled
+from gossip.algorithms.averager import Averager, AveragerOptions, RoundStats
+from gossip.buffers.vector import add_scaled
 from gossip.messages import PUSH
 from gossip.network import Envelope, PeerNetwork
-from topologies import Topology, mixing_row
+from topologies import mixing_row
+
+if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
+    from typing import Unpack
 
 HOLD_ROUNDS = 8
 MIN_WEIGHT = float(np.finfo(np.float64).tiny)
@@ -54,22 +56,11 @@ class SGP(Averager):
         peer: PeerNetwork,
         params: np.ndarray,
         *,
-        topology: Topology,
-        round_timeout: float = 2.0,
-        lock: AbstractContextManager[object] | None = None,
-        layout: Layout | None = None,
         max_staleness: int = 256,
         overlap: int = 1,
+        **common: Unpack[AveragerOptions],
     ) -> None:
-        super().__init__(
-            peer,
-            params,
-            topology=topology,
-            round_timeout=round_timeout,
-            lock=lock,
-            max_staleness=max_staleness,
-            layout=layout,
-        )
+        super().__init__(peer, params, max_staleness=max_staleness, **common)
         self.overlap = overlap
         self.weight = 1.0  # w (z is ``params``)
         self._arrived: set[tuple[str, int]] = set()  # (sender, round) of the shares mixed in
