@@ -93,8 +93,8 @@ def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_p
     assert events(report, "alive", "node-3")  # ...refuted when it resumes...
     assert not events(report, "dead", "node-3")  # ...and never declared dead
     assert nodes["node-3"]["status"] == "finished" and nodes["node-3"]["final"]["accuracy"] >= 0.93
-    # from when the launcher sent the leave (a fresh-clone CI run's launcher, starved of CPU,
-    # sent it at 14.5 s instead of 9, after the others had finished their 14 s)
+    # from when the launcher sent the leave (a launcher starved of CPU can send it seconds late,
+    # after the others finished: then the test fails plainly on that, not on the detection)
     (sent,) = [c["t"] for c in report["chaos_events"] if c["action"] == "leave"]
     assert sent < 12, report["chaos_events"]
     left = {e["observer"]: e["t"] - sent for e in events(report, "left", "node-5")}
@@ -132,13 +132,13 @@ def test_a_joiner_takes_a_17m_parameter_state_from_several_members(
     assert sum(transfer["chunks"].values()) == 131  # 1 MiB each...
     # ...from several members (a source that fell silent under load is dropped, the rest serve):
     # from every member that had trained for a second when the transfer began, as the joiner
-    # then knew (a loaded fresh-clone run's joiner, at 3.6 s, had heard of node-0 training only)
+    # then knew (on a loaded machine it may have heard of one training member only)
     began = joiner["t_joined"] - transfer["seconds"]
     training = [n for n in ("node-0", "node-1", "node-2") if nodes[n]["t_first_step"] < began - 1]
     assert len(transfer["chunks"]) >= min(2, len(training)) >= 1, (transfer, began, training)
     # it trains from the mesh's model (a fresh one scores ~0.1): as its sources' models were
-    # while the state was read from them (early on, a starved quiet CI run's mesh swung between
-    # 0.1 and 0.49 from step to step: the state of 10-16 s scored 0.12, the mesh 0.31 at 16.9 s)
+    # while the state was read from them, not as the mesh is after the transfer (early in a
+    # run the mesh's accuracy swings from step to step)
     start = joiner["t_joined"] - transfer["seconds"]
     during = [
         accuracy

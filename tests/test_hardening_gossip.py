@@ -96,8 +96,9 @@ def test_choco_refuses_an_update_without_a_valid_step_size(gamma: object) -> Non
 
 
 def test_robust_rules_do_not_trust_fewer_arrivals_than_they_tolerate() -> None:
-    """Item 7: trimmed-mean with one arrival used to raise; clip with one used that arrival's own
-    distance as the radius, so moved a third of the way to a value 1e6 away."""
+    """Trimmed-mean with one arrival does not raise, and clip with one does not take that
+    arrival's own distance as the radius (which would move a third of the way to a value 1e6
+    away)."""
     own = np.zeros(4, np.float32)
     liar = np.full(4, 1e6, np.float32)
     out = np.empty(4, np.float32)
@@ -163,7 +164,7 @@ def test_a_flood_of_full_copy_requests_costs_one_copy() -> None:
 
 
 def test_a_state_with_impossible_counters_is_refused() -> None:
-    """Item 12: round 1e300 (the joiner used to announce it, and its network thread died)."""
+    """Round 1e300: the joiner must not announce it (its network thread would die)."""
     network = MemoryNetwork()
     source, newcomer = network.join("source"), network.join("newcomer")
     state = Snapshot({"params": np.zeros(4, np.float32)}, {"round": 1e300})

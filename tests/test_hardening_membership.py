@@ -76,8 +76,7 @@ def test_a_forged_record_cannot_move_a_member_or_push_its_incarnation_out_of_rea
 
 def test_a_forged_suspicion_is_refuted_one_step_up(tmp_path: Path) -> None:
     """A suspicion at incarnation 2**63-1 is refused; one at the next incarnation is refuted by
-    the suspect, whose incarnation stays small (it used to overflow, and the node was declared
-    dead)."""
+    the suspect, whose incarnation stays small (an overflow would get it declared dead)."""
     with insider_among(tmp_path) as (a, b, insider, a_key):
         incarnation = b.membership._me.incarnation
         _gossip(insider, a, a_key, [record_of(b, status=Status.SUSPECT, incarnation=2**63 - 1)])

@@ -317,7 +317,7 @@ def _first_chunks(receiver: Transport, senders: list[str], chunk_bytes: int) -> 
 def test_unfinished_streams_are_forgotten_and_their_memory_freed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 8: eight made-up senders each send the first 4 MB chunk of an 8 MB stream, and no
     more (as a sender killed mid-stream does)."""
-    # none expires while the eight come in (with 1 s, under two CPU hogs, some did)
+    # none may expire while the eight come in, however slowly a loaded machine takes them
     monkeypatch.setattr(p2p.transport.reassembly, "IDLE_S", 300.0)
     with started_transport("rx", inbox_kinds={"params"}) as receiver:
         _first_chunks(receiver, [f"ghost-{i}" for i in range(8)], 4 << 20)

@@ -105,14 +105,13 @@ RUNS: dict[str, dict[str, Any]] = {  # GossipOptimizer's options for each algori
     "local steps": {"average_every": 4, "outer_lr": 0.7},
 }
 # emulated compute: AD-PSGD averages while steps take their time, and SGP, which does not wait
-# for a neighbour that fell behind, mixes in each round what came during the step (with
-# steps of no time, beside two CPU hogs, its machines ran through rounds apart and ended
-# 1.31 apart, against 0.17)
+# for a neighbour that fell behind, mixes in each round what came during the step (with steps
+# of no time on a busy machine, its machines run through rounds apart and end far apart)
 STEP_S = {"adpsgd": 0.02, "sgp": 0.02}
 MIN_MIXED = 20  # messages each rank mixes in before its run ends (within 10 x STEPS steps)
 # runs whose rounds wait for every neighbour: their machines all end after the same round. SGP
 # and AD-PSGD go at each machine's own pace: one held on for a shared end round would train on
-# alone (a loaded run's SGP machines ended 0.25, 0.91 and 1.15); they end once all have mixed.
+# alone, and end far from the others; they end once all have mixed.
 ROUND_ALIGNED = {"dpsgd", "auto", "choco", "local steps"}
 
 

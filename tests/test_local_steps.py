@@ -152,9 +152,8 @@ def test_auto_refuses_algorithms_that_hide_a_rounds_cost() -> None:
 def _codecs(bytes_per_s: float) -> tuple[list[list[tuple[int, str]]], float]:
     """Each node's codec decisions (first round of an epoch, codec) for CHOCO with
     ``--compression auto``, a 4096-element model, 50 ms steps and every send taking its bytes
-    over ``bytes_per_s``, and the mesh's distance from the optimum. Every update sent was mixed
-    in (none refused: the agreement's meta once overwrote each update's codec name, and every
-    update was refused as codec_mismatch)."""
+    over ``bytes_per_s``, and the mesh's distance from the optimum. Every update sent is mixed
+    in (none refused: the agreement's meta must not overwrite an update's codec name)."""
     optimizers, error = _mesh(
         lambda peer: SlowLink(peer, bytes_per_s=bytes_per_s),
         dim=4096,

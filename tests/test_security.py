@@ -90,9 +90,9 @@ def test_trusted_peers_form_a_mesh_through_a_bootstrap_address_alone(tmp_path: P
 def test_a_node_joins_through_a_peer_whose_handshakes_are_slow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every CURVE handshake takes 0.3 s (a peer's authenticator starved of CPU: a loaded CI
-    run's joiner never got in). A join's tables wait for the handshake, on either side: they
-    used to be sent once the new connection was 50 ms old and dropped, on every try."""
+    """Every CURVE handshake takes 0.3 s (a peer's authenticator starved of CPU). A join's tables
+    wait for the handshake, on either side, rather than being sent on a connection a fixed time
+    old and dropped, on every try."""
     decide = _TrustedProvider.callback
 
     def slowly(self: _TrustedProvider, domain: str, key: bytes) -> bool:

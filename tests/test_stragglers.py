@@ -50,8 +50,8 @@ def test_a_node_slowed_8x_does_not_hold_the_others_back(tmp_path: Path, algorith
     assert fast_rate(slowed) >= 0.8 * fast_rate(even), (fast_rate(slowed), fast_rate(even))
     for report in (even, slowed):
         assert all(n["status"] == "finished" for n in report["nodes"])
-    # Every algorithm trains: 8 s of steps reach 0.93-0.95 on a quiet machine, 0.925 in one run
-    # beside two CPU hogs (fewer steps in the time), so the bar is the slow node's own.
+    # Every algorithm trains: 8 s of steps reach 0.93-0.95 on a quiet machine and less on a busy
+    # one (fewer steps in the time), so the bar is the slow node's own.
     assert min(n["final"]["accuracy"] for n in even["nodes"]) >= 0.9
     slow = next(n for n in slowed["nodes"] if n["rank"] == SLOW)
     assert slow["steps"] < fast_steps(slowed) / 5  # it really was slow...

@@ -62,10 +62,10 @@ HEARTBEAT_MS = 1000
 # How long a connection may hear nothing before it is closed. Not seconds: a DEALER hears its
 # peer only as PONGs, which answer its PINGs once they are read, behind the chunk being sent and
 # the kernel's send buffer (~12 MB: 10 s on a 10 Mbit/s link); and on a congested link one of
-# several TCP connections can stall for seconds in retransmission backoff. At 3 s, connections
-# were dropped mid-stream (and the stream with them) on links slower than ~30 Mbit/s, or with 4
-# connections sharing 100 Mbit/s. A crashed peer's connection closes at once anyway (its host
-# resets it), a silent one within this; membership's probes find dead members in seconds.
+# several TCP connections can stall for seconds in retransmission backoff: a short timeout drops
+# connections mid-stream on slow or shared links. A crashed peer's connection closes at once
+# anyway (its host resets it), a silent one within this; membership's probes find dead members
+# in seconds.
 HEARTBEAT_TIMEOUT_MS = 30_000
 MAX_ROUTES = MAX_CONNECTIONS  # routes back to senders that may not listen
 
