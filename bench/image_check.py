@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -85,6 +86,8 @@ class Engine:
         """The compose command of this engine."""
         if self.program == "docker":
             return ["docker", *self.flags, "compose"]
+        if importlib.util.find_spec("podman_compose") is None:
+            raise CheckError(f"no podman-compose for {sys.executable}: pip install podman-compose")
         return [sys.executable, "-m", "podman_compose", f"--podman-args={shlex.join(self.flags)}"]
 
     def health(self, container: str) -> str:
