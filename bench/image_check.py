@@ -70,7 +70,7 @@ class Engine:
     run_flags: tuple[str, ...] = ()
 
     def __call__(self, *args: str, timeout: float = 120.0, check: bool = True) -> str:
-        """Runs ``PROGRAM FLAGS ARGS``; its stdout. A failure raises CheckError with its stderr."""
+        """Runs ``PROGRAM FLAGS ARGS``; its stdout. A failure raises CheckError with its output."""
         return run([self.program, *self.flags, *args], timeout=timeout, check=check)
 
     def start(self, *args: str) -> str:
@@ -90,17 +90,23 @@ class Engine:
             raise CheckError(f"no podman-compose for {sys.executable}: pip install podman-compose")
         return [sys.executable, "-m", "podman_compose", f"--podman-args={shlex.join(self.flags)}"]
 
+    def logs(self, container: str, lines: int = 20) -> str:
+        """The end of the container's log (its stdout and stderr)."""
+        command = [self.program, *self.flags, "logs", "--tail", str(lines), container]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        return done.stdout + done.stderr
+
     def health(self, container: str) -> str:
-        """The engine's health status of ``container`` once its HEALTHCHECK has run. Podman runs
-        the check on demand here: it schedules checks with systemd timers, which a sandbox lacks."""
-        if self.program == "podman":
-            self("healthcheck", "run", container, check=False)  # its verdict is read below
+        """The engine's health status of ``container`` once it has one. Podman runs the check on
+        demand here: it schedules checks with systemd timers, which a sandbox lacks."""
 
         def status() -> str | None:
+            if self.program == "podman":
+                self("healthcheck", "run", container, check=False)  # its verdict is read below
             state = self("inspect", "--format", "{{.State.Health.Status}}", container).strip()
             return None if state == "starting" else state
 
-        return wait_until(f"{container}'s first health check", status, 60.0)[0]
+        return wait_until(f"{container}'s health check", status, 60.0, interval=1.0)[0]
 
     def published(self, container: str) -> str:
         """``http://HOST:PORT`` of the container's metrics port on the host (it changes on restart)."""
@@ -176,11 +182,11 @@ def build(engine: Engine, build_args: Sequence[str] = ()) -> float:
     return seconds
 
 
-def session_limits(engine: Engine) -> tuple[str, ...]:
-    """``--ulimit`` flags of the open files and processes a container of the engine starts with.
-    The engines raise both for a container's processes, and podman asks again for every
-    ``exec`` (and so every health check); where that is refused (no CAP_SYS_RESOURCE, as in a
-    sandbox) exec fails, so the check's containers ask for what they have."""
+def container_limits(engine: Engine) -> tuple[str, ...]:
+    """``--ulimit`` flags of the open files and processes a container gets from the engine.
+    Engines ask to raise both for a container, and podman asks again for every ``exec`` (so every
+    health check): where raising is refused (no CAP_SYS_RESOURCE, as in a sandbox whose runtime
+    drops a container's limits) exec fails, so the check's containers ask for what they get."""
     limits = engine("run", "--rm", "--entrypoint", "cat", IMAGE, "/proc/self/limits")
     flags = []
     for name, label in (("nofile", "Max open files"), ("nproc", "Max processes")):
@@ -238,8 +244,7 @@ def finish(
         try:
             record = read_report(engine, container, folder)
         except CheckError:
-            log = engine("logs", "--tail", "20", container, check=False)
-            results[name] = {"exit": code, "log": log}
+            results[name] = {"exit": code, "log": engine.logs(container)}
             continue
         results[name] = {
             "exit": code,
@@ -335,13 +340,22 @@ def check_mesh(engine: Engine) -> MeshFigures:
                          "-v", f"{folder}/trusted:/etc/gossipmesh/trusted:ro",
                          *(f"--env=GOSSIPMESH_{k}={v}" for k, v in env.items()), IMAGE)  # fmt: skip
 
-        def ready(*nodes: str) -> bool | None:
-            return all(get(engine.published(containers[n]) + "/readyz")[0] == 200 for n in nodes) or None
+        def wait_ready(*nodes: str) -> float:
+            """Seconds until every node answers /readyz; a failure shows the end of their logs."""
+
+            def ready() -> bool | None:
+                return all(get(engine.published(containers[n]) + "/readyz")[0] == 200 for n in nodes) or None
+
+            try:
+                return wait_until(f"{', '.join(nodes)} ready", ready, 120.0)[1]
+            except CheckError as error:
+                logs = "".join(f"\n{n}:\n{engine.logs(containers[n])}" for n in nodes)
+                raise CheckError(f"{error}{logs}") from None
 
         first = names[:3]
         for name in first:
             launch(name, expect=3)
-        figures.ready_s = wait_until("node-0..2 ready", lambda: ready(*first), 120.0)[1]
+        figures.ready_s = wait_ready(*first)
         for name in first:
             url = engine.published(containers[name])
             answers = {path: get(url + path) for path in ("/healthz", "/readyz", "/metrics")}
@@ -360,9 +374,9 @@ def check_mesh(engine: Engine) -> MeshFigures:
         engine("kill", "-s", "KILL", restarted)
         engine("wait", restarted)
         engine("start", restarted)
-        figures.back_ready_s = wait_until("node-2 ready again", lambda: ready("node-2"), 120.0)[1]
+        figures.back_ready_s = wait_ready("node-2")
         launch("node-3", expect=0)
-        figures.joiner_ready_s = wait_until("node-3 ready", lambda: ready("node-3"), 120.0)[1]
+        figures.joiner_ready_s = wait_ready("node-3")
         figures.results = finish(engine, containers, folder, timeout=300.0)
     figures.seconds = time.monotonic() - start
     return figures
@@ -436,7 +450,7 @@ def prepare(options: argparse.Namespace) -> tuple[Engine, float] | None:
     if engine is None:
         return None
     seconds = build(engine, options.build_arg)
-    return dataclasses.replace(engine, run_flags=session_limits(engine)), seconds
+    return dataclasses.replace(engine, run_flags=container_limits(engine)), seconds
 
 
 def main() -> int:
