@@ -2,6 +2,7 @@
 # The gossipmesh node image: one daemon per container (BuildKit, the default builder).
 #   docker build -t gossipmesh:cpu .                    slim CPU image (the default target)
 #   docker build --target cuda -t gossipmesh:cuda .     CUDA image (torch's CUDA wheels + cupy)
+#   docker build --build-arg TORCH_SOURCE="--index-url URL" .   CPU torch from elsewhere (cpu stage)
 # Configure it with GOSSIPMESH_<OPTION> variables (see `gossipmesh node --help`), a TOML file
 # mounted at /etc/gossipmesh/node.toml with GOSSIPMESH_CONFIG=/etc/gossipmesh/node.toml, and a
 # key folder mounted at /etc/gossipmesh/keys: the node's CURVE pair (NODE_ID.key_secret, or the
@@ -47,7 +48,11 @@ USER gossipmesh
 
 FROM base AS cpu
 ARG TORCH_VERSION
+# where pip takes torch from: its options after the requirement. Empty: pip's configured index
+# (PyPI's torch is the CUDA build, GBs larger); --find-links DIR: a wheel folder mounted into the
+# build (podman build -v DIR:DIR:ro); --index-url URL: a mirror of the CPU index
+ARG TORCH_SOURCE="--index-url https://download.pytorch.org/whl/cpu"
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu \
+    pip install --no-cache-dir "torch==${TORCH_VERSION}" ${TORCH_SOURCE} \
     && pip install --no-cache-dir /wheels/gossipmesh-*.whl
 USER gossipmesh

@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers bench-fuzz gpu-check clean
+.PHONY: venv demo test lint bench-transport bench-membership bench-stragglers bench-fuzz gpu-check image-check clean
 
 venv: $(VENV)/.installed
 
@@ -49,6 +49,19 @@ gpu-check: venv
 	$(BIN)/python -m pip install --quiet -e ".[gpu]"
 	$(BIN)/python bench/gpu_check.py
 	$(BIN)/python bench/gpu_codec.py
+
+# Builds the image and runs meshes of its containers in docker, or podman (bench/image_check.py,
+# through tests/test_image.py: not part of make test). On a machine that
+# ../shared/containers/setup.sh prepared (podman in a sandbox, no image pulled): its flags, its
+# base image, and torch from the wheel folder pip is pointed at (PIP_FIND_LINKS)
+CONTAINER_SETUP := $(abspath $(wildcard ../shared/containers/setup.sh))
+IMAGE_CHECK_ARGS ?= $(if $(CONTAINER_SETUP),--setup $(CONTAINER_SETUP) \
+	--build-arg PYTHON_IMAGE=localhost/py311-debian \
+	$(if $(PIP_FIND_LINKS),--build-arg "TORCH_SOURCE=--find-links $(PIP_FIND_LINKS)"))
+
+image-check: venv
+	$(BIN)/python -m pip install --quiet -e ".[containers]"
+	GOSSIPMESH_IMAGE_CHECK='$(IMAGE_CHECK_ARGS)' $(BIN)/python -m pytest -m container -s tests/test_image.py
 
 bench-fuzz: venv
 	$(BIN)/python bench/fuzz_wire.py --seconds 600
