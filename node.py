@@ -28,7 +28,7 @@ from gossipmesh.cli import main as cli_main
 from gossipmesh.cli.main import USER_ERRORS
 from gossipmesh.config import ConfigError, NodeConfig, summary
 from gossipmesh.console import emit, say
-from gossipmesh.daemon.lifecycle import join_machine, member
+from gossipmesh.daemon.lifecycle import join_machine, member, share_cores
 from gossipmesh.daemon.local_ranks import (
     RankPlace,
     gather_rank_records,
@@ -91,6 +91,9 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             status = StatusServer(metrics, config.metrics_port, config.metrics_host)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
         ordered = entry.wait_for_members(peer, cancelled, group)
+        shared = share_cores(config, peer, ordered, group)
+        if shared is not None:
+            say(config.progress, f"{node_id}: {shared}")
         rank = ordered.index(node_id)
         config.graph.graph(len(ordered))  # fail now if the topology is undefined for this mesh
         emit(config.progress, {"event": "ready", "id": node_id, "rank": rank, "members": ordered})

@@ -35,6 +35,7 @@ EXAMPLES = {
     "outer_momentum": ["--local-steps", "10", "--outer-momentum", "0.5"],
     "quasi_global_momentum": ["--quasi-global-momentum", "0.9", "--momentum", "0"],
     "mix_momentum": ["--mix-momentum"],
+    "no_average_buffers": ["--no-average-buffers"],
 }
 AUTO = {  # what the mesh tunes from measured times; a simulation measures virtual time
     "average_every=auto": ["--average-every", "auto"],

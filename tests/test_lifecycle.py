@@ -3,16 +3,18 @@ with no code of its own, leaving cleanly, checkpoints and resuming."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import addresses
+from helpers import addresses, started_peers
 
 import gossipmesh
 from gossipmesh import Batches, NodeConfig, Session
+from gossipmesh.daemon.lifecycle import share_cores
 from gossipmesh.tasks.digits import DigitsTask
 
 pytestmark = pytest.mark.usefixtures("no_other_threads")
@@ -112,3 +114,24 @@ def test_checkpoints_need_a_state_dir() -> None:
     ):
         session.checkpoint()
     assert np.isfinite(session.optimizer.flat.array).all()
+
+
+def test_members_on_one_machine_share_its_cores_unless_threads_is_given() -> None:
+    """torch's default of a thread per core in every process of a mesh on one machine makes them
+    wait on each other: each takes its share, and says so."""
+    default = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    try:
+        with started_peers(["a", "b"]) as (a, _):
+            members = sorted(a.members())
+            assert share_cores(NodeConfig(insecure=True, threads=3), a, members, None) is None
+            torch.set_num_threads(cores)
+            said = share_cores(NodeConfig(insecure=True), a, members, None)
+            assert torch.get_num_threads() == max(1, cores // 2)
+            if cores > 1:
+                assert said is not None and said.startswith(
+                    f"2 processes of the mesh share this machine's {cores}"
+                )
+            assert share_cores(NodeConfig(insecure=True), a, ["a"], None) is None  # alone on it
+    finally:
+        torch.set_num_threads(default)

@@ -51,10 +51,14 @@ class FlatParameters:
     Args:
         params: the parameters, on one device, of float dtypes (a bucket per dtype, in the order
             the dtypes first appear: the same on every node with the same model).
-        extras: tensors mixed along with the parameters (an optimizer's momentum buffers), made
-            views of the vector after them: its first :attr:`param_size` elements are the
-            parameters (one bucket holds both when all are of one dtype, else each dtype of
-            the extras has a bucket after the parameters').
+        buffers: the model's floating-point buffers (BatchNorm's running statistics), mixed with
+            the parameters and part of the model's values (:attr:`model_array`).
+        extras: tensors mixed along with the parameters (an optimizer's momentum buffers).
+
+        Each becomes a view of the vector, in that order: its first :attr:`param_size` elements
+        are the parameters, its first :attr:`model_size` the parameters and buffers (one bucket
+        holds all when they are of one dtype, else each group has a bucket per dtype after the
+        previous group's).
         staged: keep a separate host copy for :attr:`array`; None: when the vector cannot be
             the model's memory (a GPU model, a dtype other than the vector's, several dtypes).
             True on a CPU float32 model runs the staged path, as the tests do.
@@ -66,6 +70,7 @@ class FlatParameters:
         self,
         params: Iterable[torch.Tensor],
         *,
+        buffers: Iterable[torch.Tensor] = (),
         extras: Iterable[torch.Tensor] = (),
         staged: bool | None = None,
         chunk: int = STAGE_CHUNK,
@@ -74,22 +79,27 @@ class FlatParameters:
         unique = list({id(p): p for p in params}.values())
         if not unique:
             raise ValueError("no parameters to flatten")
-        param_ids = {id(p) for p in unique}
-        extra = [t for key, t in {id(t): t for t in extras}.items() if key not in param_ids]
-        devices = {p.device for p in unique + extra}
+        seen = {id(p) for p in unique}
+        held = [t for key, t in {id(t): t for t in buffers}.items() if key not in seen]
+        seen |= {id(t) for t in held}
+        extra = [t for key, t in {id(t): t for t in extras}.items() if key not in seen]
+        everything = unique + held + extra
+        devices = {p.device for p in everything}
         if len(devices) != 1:
             raise ValueError(
                 f"parameters must share one device, got {devices}; move the whole model with "
                 "model.to(device) first"
             )
-        unknown = {p.dtype for p in unique + extra} - NUMPY_DTYPES.keys()
+        unknown = {p.dtype for p in everything} - NUMPY_DTYPES.keys()
         if unknown:
             raise ValueError(
                 f"gossip averages float parameters ({', '.join(map(str, NUMPY_DTYPES))}), not {unknown}"
             )
         device = unique[0].device
-        dtypes = {t.dtype for t in unique + extra}
-        groups = [unique + extra] if len(dtypes) == 1 else [*_by_dtype(unique), *_by_dtype(extra)]
+        dtypes = {t.dtype for t in everything}
+        groups = (
+            [everything] if len(dtypes) == 1 else [*_by_dtype(unique), *_by_dtype(held), *_by_dtype(extra)]
+        )
         self._spans: dict[int, tuple[int, int]] = {}  # id(parameter) -> its stretch of the vector
         self.buckets: list[torch.Tensor] = []
         for group in groups:
@@ -97,6 +107,7 @@ class FlatParameters:
                 _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets))
             )
         self.param_size = sum(p.numel() for p in unique)
+        self.model_size = self.param_size + sum(t.numel() for t in held)
         self.layout = Layout(tuple((NUMPY_DTYPES[b.dtype], b.numel()) for b in self.buckets))
         self.vector_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
         in_place = (
@@ -140,9 +151,22 @@ class FlatParameters:
         return self.array[: self.param_size]
 
     @property
+    def model_array(self) -> np.ndarray:
+        """The model's values (parameters and buffers) of :attr:`array` (a view)."""
+        return self.array[: self.model_size]
+
+    @property
     def param_segments(self) -> list[torch.Tensor]:
         """The parameters' part of the buckets, on the device, in the vector's order."""
-        segments, left = [], self.param_size
+        return self._segments(self.param_size)
+
+    @property
+    def model_segments(self) -> list[torch.Tensor]:
+        """The model's values' part of the buckets, on the device, in the vector's order."""
+        return self._segments(self.model_size)
+
+    def _segments(self, size: int) -> list[torch.Tensor]:
+        segments, left = [], size
         for bucket in self.buckets:
             if left:
                 segments.append(bucket[: min(left, bucket.numel())])

@@ -64,6 +64,16 @@ class GossipStatistics:
     codec_per_epoch: list[tuple[int, str]]  # with compression=auto: (first round of an epoch, its codec)
 
 
+def averaged_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """``model``'s buffers that gossip averages: the floating-point ones of its ``state_dict``."""
+    return [
+        buffer
+        for module in model.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer.is_floating_point() and name not in module._non_persistent_buffers_set
+    ]
+
+
 def saved_step_count(saved: Mapping[str, Any]) -> int:
     """The optimizer steps a saved state had taken (states of gossipmesh 0.1 name them
     ``local_steps``)."""
@@ -126,6 +136,11 @@ class GossipOptimizer(torch.optim.Optimizer):
             rank gossips its slice of the parameters through ``peer``: local rank 0's
             ``p2p.Peer``, the others' ``p2p.LocalRankPeer``. With ``average_every="auto"``
             rank 0 takes part in the mesh's agreement and the others take its H.
+        model: the module the parameters belong to: its floating-point buffers in the
+            ``state_dict`` (BatchNorm's running statistics) are averaged with the parameters
+            and travel with them to a joiner, as DDP broadcasts them; integer buffers
+            (``num_batches_tracked``) and non-persistent ones stay local. None: parameters only.
+        average_buffers: False keeps ``model``'s buffers local too.
 
     Options that do not go together (a codec for an algorithm that sends whole models...)
     raise ``gossip.IncompatibleOptionsError`` (``Algorithm.check``, which the command line's
@@ -150,6 +165,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         quasi_global_momentum: float = 0.0,
         mix_momentum: bool = False,
         local_group: LocalGroup | None = None,
+        model: torch.nn.Module | None = None,
+        average_buffers: bool = True,
     ) -> None:
         if average_every != AUTO and not (isinstance(average_every, int) and average_every >= 1):
             raise ValueError(f"average_every must be >= 1 or 'auto', got {average_every!r}")
@@ -192,7 +209,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._gradients = BackwardAveraging(local_group, self._params) if local_group is not None else None
         # with mix_momentum, SGD's buffers are views of the vector gossip mixes, after the parameters
         self._mixed_momentum = momentum_buffers(optimizer, self._params) if mix_momentum else []
-        self.flat = FlatParameters(self._params, extras=self._mixed_momentum, staged=staged)
+        buffers = averaged_buffers(model) if model is not None and average_buffers else []
+        self.flat = FlatParameters(self._params, buffers=buffers, extras=self._mixed_momentum, staged=staged)
         # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
         # device, only the encoded frames staged); the outer step and the others need the host copy
         buckets = self.flat.buckets
@@ -234,7 +252,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             else None
         )
         self.momentum = (
-            QuasiGlobalMomentum(self.flat.buckets, quasi_global_momentum) if quasi_global_momentum else None
+            QuasiGlobalMomentum(self.flat.param_segments, quasi_global_momentum)
+            if quasi_global_momentum
+            else None
         )
         self._rounds_at_start = 0
         self._started: float | None = None
@@ -482,14 +502,16 @@ class GossipOptimizer(torch.optim.Optimizer):
 
     def restore(self, snapshot: Snapshot) -> None:
         """Load a snapshot from another node (validated against this model first)."""
-        reference = self.flat.param_array
+        reference = self.flat.model_array  # (its "params": the parameters, then the buffers)
         if "params" not in snapshot.tensors:
             raise StateTransferError("the snapshot has no parameters")
         for name, array in snapshot.tensors.items():
             if name.startswith("scalar."):
                 expected = np.empty(len(self._params), np.float64)  # one value a parameter
-            elif name == "params" or name.startswith("optimizer."):
+            elif name == "params":
                 expected = reference
+            elif name.startswith("optimizer."):
+                expected = self.flat.param_array
             else:
                 raise StateTransferError(f"unknown snapshot tensor {name!r}")
             if array.shape != expected.shape or array.dtype != expected.dtype:

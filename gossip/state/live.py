@@ -80,7 +80,8 @@ class LiveState:
         """(name, dtype, the tensors that make it up one after the other), under the lock."""
         if not self._background:
             self._flat.wait_for_upload()  # (the buckets are read on the device's compute stream)
-        params = [torch.from_numpy(self._flat.param_array)] if self._background else self._flat.param_segments
+        flat = self._flat  # (the model's values: its parameters, then its averaged buffers)
+        params = [torch.from_numpy(flat.model_array)] if self._background else flat.model_segments
         arrays = [("params", self._dtype, params)]
         pairs = [(p, self._optimizer.state.get(p, {})) for p in self._params]
         buffers = {k for p, state in pairs for k, v in state.items() if _like(v, p)}

@@ -80,7 +80,7 @@ def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
     """Every node's optimizer made as a daemon makes its own (``Averaging.gossip_optimizer``)."""
 
     def optimizer(model: torch.nn.Module, peer: VirtualPeer) -> GossipOptimizer:
-        return config.gossip_optimizer(config.local_optimizer(model), peer)
+        return config.gossip_optimizer(config.local_optimizer(model), peer, model=model)
 
     if config.task is not None:
         task = config.task.make()

@@ -85,6 +85,7 @@ class Averaging(Options):
     outer_momentum: float = o.OUTER_MOMENTUM.field()
     quasi_global_momentum: float = o.QUASI_GLOBAL_MOMENTUM.field()
     mix_momentum: bool = o.MIX_MOMENTUM.field()
+    no_average_buffers: bool = o.NO_AVERAGE_BUFFERS.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -129,7 +130,7 @@ class Averaging(Options):
         self, optimizer: torch.optim.Optimizer, peer: PeerNetwork, **options: Any
     ) -> GossipOptimizer:
         """``optimizer`` wrapped to average as these options say (``options``: the rest of
-        GossipOptimizer's arguments, e.g. ``lock``)."""
+        GossipOptimizer's arguments, e.g. ``lock``, and ``model``, whose buffers it averages)."""
         return GossipOptimizer(
             optimizer,
             peer=peer,
@@ -143,6 +144,7 @@ class Averaging(Options):
             robust=self.robust,
             quasi_global_momentum=self.quasi_global_momentum,
             mix_momentum=self.mix_momentum,
+            average_buffers=not self.no_average_buffers,
             **options,
         )
 

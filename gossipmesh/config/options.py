@@ -198,6 +198,10 @@ MIX_MOMENTUM = _switch(
     "mix each node's SGD momentum buffer along with its parameters (messages twice as large; "
     "each node's model stays closer to the mesh's average); give it to every node"
 )
+NO_AVERAGE_BUFFERS = _switch(
+    "keep the model's floating-point buffers (BatchNorm's running statistics) local instead of "
+    "averaging them with the parameters"
+)
 ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 2.0)
 COMPUTE_MS = Option(
     number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0

@@ -11,6 +11,7 @@ whole life for a user's loop, as a context manager.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -38,9 +39,11 @@ from gossipmesh.daemon.local_ranks import (
 )
 from gossipmesh.daemon.peers import default_id, machine_peer, make_peer
 from p2p import LocalRankPeer, Peer
+from p2p.address import split_endpoint
 from p2p.membership.protocol import NOT_YET
 from topologies import member_order
 
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for the others
 STATE_SOURCES = 3  # members a joiner takes its state from at once
 log = logging.getLogger(__name__)
@@ -214,6 +217,39 @@ def join_machine(config: NodeConfig, device: str | None = None) -> tuple[NodeCon
     return config, group
 
 
+def share_cores(
+    config: NodeConfig, peer: Peer | LocalRankPeer, members: list[str], group: LocalGroup | None
+) -> str | None:
+    """Give torch this process's share of the machine's cores when other members (by their
+    addresses) or local ranks compute on it too and ``--threads`` says nothing: torch's default
+    of one thread per core in every process makes them all wait on each other. Returns what it
+    did, for the user to see (None: nothing)."""
+    if config.threads:
+        return None
+    here = sum(1 for node in members if _on_this_machine(peer, node)) if isinstance(peer, Peer) else 1
+    processes = max(1, here) * (group.size if group is not None else 1)
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // processes)
+    if processes == 1 or torch.get_num_threads() <= threads:
+        return None
+    torch.set_num_threads(threads)
+    return (
+        f"{processes} processes of the mesh share this machine's {cores} cores: torch computes on "
+        f"{threads} thread{'s' if threads > 1 else ''} in each (--threads N to choose)"
+    )
+
+
+def _on_this_machine(peer: Peer, node_id: str) -> bool:
+    if node_id == peer.node_id:
+        return True
+    contact = peer.membership.contact(node_id)
+    if contact is None or not contact[0].startswith("tcp://"):
+        return False
+    host = split_endpoint(contact[0])[0]
+    own = split_endpoint(peer.address)[0] if peer.address.startswith("tcp://") else None
+    return host == own or host in LOOPBACK
+
+
 @dataclass(frozen=True)
 class Member:
     """A node made ready to come in: its id, its newest checkpoint, how it comes in, its network."""
@@ -272,7 +308,9 @@ class Session:
         joined = member(config, model, self.local_group)
         self.node_id, self._checkpoint, self.entry = joined.node_id, joined.checkpoint, joined.entry
         self.peer = joined.peer
-        self.optimizer = config.gossip_optimizer(optimizer, self.peer, local_group=self.local_group)
+        self.optimizer = config.gossip_optimizer(
+            optimizer, self.peer, local_group=self.local_group, model=model
+        )
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.members: list[str] = []
         self.transfer: TransferStats | None = None
@@ -295,6 +333,9 @@ class Session:
         self.peer.start()
         try:
             self.members = self.entry.wait_for_members(self.peer, lambda: False, self.local_group)
+            shared = share_cores(self.config, self.peer, self.members, self.local_group)
+            if shared is not None:
+                log.info("%s: %s", self.node_id, shared)
             if self._checkpoint is not None:
                 restore_state(self._checkpoint, self.optimizer)
             self.transfer = self.entry.come_in(self.peer, self.optimizer, self.members, lambda: False)

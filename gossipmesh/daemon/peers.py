@@ -15,6 +15,7 @@ from gossip.algorithms.registry import FAMILIES
 from gossip.buffers.flat import host_vector_bytes
 from gossip.messages import STATE_REQUEST
 from gossip.optim.local_group import LocalGroup
+from gossip.optim.optimizer import averaged_buffers
 from gossip.state import manifest as state
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.local_ranks import rank_endpoint
@@ -118,7 +119,7 @@ def largest_message(model: torch.nn.Module) -> int:
     """The most bytes a gossip message about ``model`` carries: the mixing vector (float32, or
     float64; twice a bfloat16 model's own bytes) with room for what goes beside it (SGP's
     weight, a sparse codec's positions: at most 1/8 more)."""
-    vector_bytes = host_vector_bytes(model.parameters())
+    vector_bytes = host_vector_bytes([*model.parameters(), *averaged_buffers(model)])
     return vector_bytes + vector_bytes // 8 + (1 << 16)
 
 

@@ -71,7 +71,7 @@ class Trainer:
         self.lock = threading.Lock()
         network = peer if config.byzantine is None else ByzantinePeer(peer, config.byzantine)
         self.optimizer = config.gossip_optimizer(
-            local_optimizer, network, lock=self.lock, local_group=local_group
+            local_optimizer, network, lock=self.lock, local_group=local_group, model=model
         )
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.recorder = Recorder(

@@ -2,7 +2,7 @@
 given as its optimizer, and :class:`GossipCallback` adds gossip's figures to the trainer's logs
 and leaves the mesh when training ends::
 
-    optimizer = GossipOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), peer=peer)
+    optimizer = GossipOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), peer=peer, model=model)
     scheduler = transformers.get_cosine_schedule_with_warmup(optimizer, 10, max_steps)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    optimizers=(optimizer, scheduler),

@@ -98,6 +98,18 @@ class Precision:
         return self.name
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in evaluation mode (BatchNorm uses its running statistics and leaves them be,
+    dropout is off), then back in the mode it was in."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
 def device_of(model: nn.Module) -> torch.device:
     """Where the model's parameters are: a task's evaluate moves its held-out data there."""
     return next(model.parameters()).device

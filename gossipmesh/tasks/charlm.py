@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from gossipmesh.tasks.base import DataPartition, Evaluation, Shard, device_of, partition_indices
+from gossipmesh.tasks.base import DataPartition, Evaluation, Shard, device_of, evaluating, partition_indices
 
 CONTEXT = 32  # characters a prediction may look back on
 VOCAB = ["\n", *map(chr, range(32, 127))]
@@ -102,7 +102,8 @@ class CharLMTask:
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Evaluation:
         test = self._test.to(device_of(model))
-        logits = model(test[:, :-1]).reshape(-1, VOCAB_SIZE)
+        with evaluating(model):
+            logits = model(test[:, :-1]).reshape(-1, VOCAB_SIZE)
         targets = test[:, 1:].reshape(-1)
         return Evaluation(
             loss=float(functional.cross_entropy(logits, targets)),

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from gossipmesh.tasks.base import DataPartition, Evaluation, Shard, device_of, partition_indices
+from gossipmesh.tasks.base import DataPartition, Evaluation, Shard, device_of, evaluating, partition_indices
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
@@ -78,7 +78,8 @@ class DigitsTask:
     def evaluate(self, model: nn.Module) -> Evaluation:
         device = device_of(model)
         inputs, targets = self._test_x.to(device), self._test_y.to(device)
-        logits = model(inputs)
+        with evaluating(model):
+            logits = model(inputs)
         return Evaluation(
             loss=float(functional.cross_entropy(logits, targets)),
             accuracy=float((logits.argmax(dim=1) == targets).float().mean()),
