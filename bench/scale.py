@@ -1,7 +1,7 @@
-"""Gossip at 10M-100M parameters against a gloo allreduce of the same bytes, side by side.
+"""Gossip at 10M-1B parameters against a gloo allreduce of the same bytes, side by side.
 
-For each model size (a wide MLP of float32 linear layers), ``--nodes`` processes on 127.0.0.1
-run each arm in turn, fresh processes per arm:
+For each model size (a wide MLP of linear layers in ``--dtype``), ``--nodes`` processes on
+127.0.0.1 run each arm in turn, fresh processes per arm:
 
 - ``allreduce``: ``torch.distributed.all_reduce`` of the model's flat vector over gloo, the
   standard way (what DDP does with every gradient): seconds per call.
@@ -10,11 +10,13 @@ run each arm in turn, fresh processes per arm:
   with zero gradients: seconds per ``step()``, which for the synchronous algorithms is one round
   (adpsgd's exchanges run beside the steps; its figure is a step's cost).
 
-Per arm: the median round over every process's timed rounds (after warm-up), and the peak memory
-each process added over its model and optimizer (VmHWM after the peak is reset once the model is
-built), against the model's bytes.
+Per arm: the median round over every process's timed rounds (after warm-up), the bytes a
+process sent per timed round (at the socket; gloo's: what its ring moves, 2 (n - 1) / n of the
+vector), and the peak memory each process added over its model and optimizer (VmHWM after the
+peak is reset once the model is built), against the model's bytes.
 
-    python bench/scale.py [--params 10M,100M] [--nodes 4] [--rounds 8] [--arms allreduce,dpsgd,...]
+    python bench/scale.py [--params 10M,100M,1B] [--dtype float32|bfloat16] [--nodes 4] [--rounds 8]
+                          [--arms allreduce,dpsgd,...]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from p2p.address import free_ports
 
 WIDTH = 2048  # a layer of the benchmark MLP: WIDTH x WIDTH weights (4.2M parameters)
 WARMUP = 2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GOSSIP_ARMS = {
     "dpsgd": {"algorithm": "dpsgd", "topology": "ring"},
     "sgp": {"algorithm": "sgp"},
@@ -47,12 +50,12 @@ GOSSIP_ARMS = {
 }
 
 
-def wide_mlp(params: int) -> torch.nn.Module:
+def wide_mlp(params: int, dtype: torch.dtype) -> torch.nn.Module:
     """Linear layers of WIDTH x WIDTH (the last one narrower) holding about ``params`` weights."""
     layers, left = [], params
     while left > 0:
         rows = min(WIDTH, max(1, left // WIDTH))
-        layers.append(torch.nn.Linear(WIDTH, rows, bias=False))
+        layers.append(torch.nn.Linear(WIDTH, rows, bias=False, dtype=dtype))
         left -= rows * WIDTH
     return torch.nn.Sequential(*layers)
 
@@ -69,12 +72,14 @@ def reset_peak() -> int:
     return rss("VmRSS:")
 
 
-def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: list[int],
-             barrier: Barrier, out: Connection) -> None:  # fmt: skip
+def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, rounds: int,
+             ports: list[int], barrier: Barrier, out: Connection) -> None:  # fmt: skip
     logging.disable(logging.WARNING)  # every node of every arm would say it runs --insecure
+    torch.set_num_threads(1)  # the processes share the cores (torchrun sets OMP_NUM_THREADS=1 so too)
     torch.manual_seed(0)
-    model = wide_mlp(params)
+    model = wide_mlp(params, dtype)
     size = sum(p.numel() for p in model.parameters())
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     if arm == "allreduce":
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=nodes
@@ -84,6 +89,9 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: l
 
         def one_round() -> None:
             dist.all_reduce(vector)
+
+        def sent() -> int:  # a ring allreduce: reduce-scatter, then all-gather
+            return 2 * (nodes - 1) * vector.numel() * itemsize // nodes
     else:
         flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": str(nodes),
                  "id": f"node-{rank}", **({"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}),
@@ -96,31 +104,38 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, rounds: int, ports: l
         def one_round() -> None:
             optimizer.step()
 
+        def sent() -> int:
+            return peer.stats.bytes_sent
+
     times = []
     for index in range(WARMUP + rounds):
         if index == WARMUP:
             barrier.wait()
+            sent_before = sent()
         started = time.perf_counter()
         one_round()
         if index >= WARMUP:
             times.append(time.perf_counter() - started)
     barrier.wait()
+    sent_per_round = (sent() - sent_before) / rounds if arm != "allreduce" else sent()
     added = rss("VmHWM:") - base
     if arm != "allreduce":
         optimizer.close()
         peer.leave(after_round=optimizer.round - 1)
         barrier.wait()  # nobody leaves while a neighbour still waits for its last round
         peer.close()
-    out.send({"times": times, "added_bytes": added, "model_bytes": 4 * size})
+    out.send({"times": times, "added_bytes": added, "model_bytes": itemsize * size, "sent": sent_per_round})
 
 
-def run_arm(arm: str, nodes: int, params: int, rounds: int) -> dict[str, Any]:
+def run_arm(arm: str, nodes: int, params: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     fork = multiprocessing.get_context("fork")
     barrier = fork.Barrier(nodes)
     ports = free_ports(nodes)
     pipes = [fork.Pipe(duplex=False) for _ in range(nodes)]
     processes = [
-        fork.Process(target=_run_arm, args=(arm, rank, nodes, params, rounds, ports, barrier, pipes[rank][1]))
+        fork.Process(
+            target=_run_arm, args=(arm, rank, nodes, params, dtype, rounds, ports, barrier, pipes[rank][1])
+        )
         for rank in range(nodes)
     ]
     for process in processes:
@@ -137,6 +152,7 @@ def run_arm(arm: str, nodes: int, params: int, rounds: int) -> dict[str, Any]:
         "round_s_min": min(times),
         "round_s_max": max(times),
         "added_bytes_max": max(r["added_bytes"] for r in results),
+        "sent_bytes_per_round": statistics.median(r["sent"] for r in results),
     }
 
 
@@ -149,19 +165,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--params", default="10M,100M", help="model sizes (default: 10M,100M)")
+    parser.add_argument(
+        "--params", default="10M,100M", help="model sizes, e.g. 25M,100M,1B (default: 10M,100M)"
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="the model's dtype (default: float32)"
+    )
     parser.add_argument("--nodes", type=int, default=4, help="processes (default: 4)")
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per arm (default: 8)")
     parser.add_argument("--arms", default="allreduce,dpsgd,sgp,adpsgd,choco-int8", help="arms, in order")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()
     rows = []
+    dtype = DTYPES[args.dtype]
     print(f"{'params':>8} {'MB':>6} {'arm':>11} {'round s':>8} {'min':>7} {'max':>7} {'vs allreduce':>13} "
-          f"{'added MB':>9} {'x model':>8}", flush=True)  # fmt: skip
+          f"{'sent MB':>8} {'added MB':>9} {'x model':>8}", flush=True)  # fmt: skip
     for params in map(parse_count, args.params.split(",")):
         reference = None
         for arm in args.arms.split(","):
-            row = run_arm(arm, args.nodes, params, args.rounds)
+            row = run_arm(arm, args.nodes, params, dtype, args.rounds)
             rows.append(row)
             reference = row["round_s_median"] if arm == "allreduce" else reference
             ratio = f"{row['round_s_median'] / reference:.2f}x" if reference else "-"
@@ -169,7 +191,8 @@ def main() -> None:
             print(
                 f"{params / 1e6:>7.0f}M {row['model_bytes'] / 1e6:>6.0f} {arm:>11} "
                 f"{row['round_s_median']:>8.3f} {row['round_s_min']:>7.3f} {row['round_s_max']:>7.3f} "
-                f"{ratio:>13} {added / 1e6:>9.0f} {added / row['model_bytes']:>8.2f}",
+                f"{ratio:>13} {row['sent_bytes_per_round'] / 1e6:>8.0f} {added / 1e6:>9.0f} "
+                f"{added / row['model_bytes']:>8.2f}",
                 flush=True,
             )
     if args.json:
