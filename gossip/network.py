@@ -12,8 +12,19 @@ from typing import Any, Protocol
 import numpy as np
 
 
+class Piece(Protocol):
+    """Where a piece of a message sits: its tensors are bytes ``offset...`` of the payload of
+    tensors ``specs`` (dtype, shape, bytes), one after the other."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def specs(self) -> Sequence[tuple[np.dtype, tuple[int, ...], int]]: ...
+
+
 class Envelope(Protocol):
-    """A received, already wire-validated message."""
+    """A received, already wire-validated message: whole, or one piece of it (for the kinds
+    an algorithm takes piece by piece: :meth:`PeerNetwork.take_pieces`)."""
 
     @property
     def kind(self) -> str: ...
@@ -25,6 +36,8 @@ class Envelope(Protocol):
     def tensors(self) -> Sequence[np.ndarray]: ...
     @property
     def meta(self) -> Mapping[str, Any]: ...
+    @property
+    def piece(self) -> Piece | None: ...
 
 
 class Background(Protocol):
@@ -86,6 +99,12 @@ class PeerNetwork(Protocol):
         starts threads itself."""
         ...
 
+    def take_pieces(self, kinds: Collection[str]) -> None:
+        """Hand on large messages of ``kinds`` piece by piece as they arrive (each an envelope
+        with its ``piece``), so that the algorithm mixes them in as they come instead of holding
+        whole messages; where messages travel whole (in memory), they still come whole."""
+        ...
+
 
 class PeerWrapper:
     """A ``PeerNetwork`` that passes every call on to ``peer``; subclasses change what they
@@ -128,3 +147,6 @@ class PeerWrapper:
 
     def start_background(self, name: str, target: Callable[[], None]) -> Background:
         return self._peer.start_background(name, target)
+
+    def take_pieces(self, kinds: Collection[str]) -> None:
+        self._peer.take_pieces(kinds)

@@ -14,7 +14,9 @@ the network is ever unpickled.
 A payload larger than one chunk goes as a stream of chunk messages (:func:`encode_chunks`):
 each has the whole message's header plus ``"chunk": [index, count, offset]`` and, as frames,
 the slices of the tensors' memory that make up bytes ``offset...`` of the concatenated payload.
-``p2p.transport.reassembly`` reassembles them; no ZeroMQ message is ever larger than :data:`MAX_CHUNK_BYTES`.
+``p2p.transport.reassembly`` reassembles them, or, for the kinds a reader takes piece by piece,
+hands each chunk on as it comes (a message with its :class:`Piece`); no ZeroMQ message is ever
+larger than :data:`MAX_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -74,9 +76,28 @@ class WireError(ValueError):
         self.detail = detail
 
 
+TensorSpec = tuple[np.dtype, tuple[int, ...], int]  # dtype, shape, nbytes
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a chunk handed on by itself sits in its message: its ``tensors`` are bytes
+    ``offset...`` (uint8 arrays, one after the other) of the concatenated payload of tensors
+    ``specs``. The transport checked that it fits its stream (see ``p2p.transport.reassembly``)."""
+
+    offset: int
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def total(self) -> int:
+        """The whole payload's bytes."""
+        return sum(nbytes for _, _, nbytes in self.specs)
+
+
 @dataclass(frozen=True)
 class Message:
-    """A decoded message. ``tensors`` are read-only arrays that alias the received frames."""
+    """A decoded message. ``tensors`` are read-only arrays that alias the received frames; with
+    a ``piece``, they are one chunk's bytes of the message's payload."""
 
     kind: str
     sender: str
@@ -86,9 +107,7 @@ class Message:
     session: int = 0
     seq: int = 0
     key: str = ""  # the CURVE public key (z85) the message came with; "" without CURVE
-
-
-TensorSpec = tuple[np.dtype, tuple[int, ...], int]  # dtype, shape, nbytes
+    piece: Piece | None = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ models sent in one round of P.
 
 Waits come from measured round times (see ``Averager.wait_limit``); a neighbour that misses a
 round is not waited for again until it is heard from (``Averager._went_silent``).
+
+Plain rounds (no overlap, no robust rule, no staleness: the default) mix each neighbour's value
+as it arrives, piece by piece (``gossip.buffers.pieces``): no message is held whole, mixing
+overlaps the arrival of the rest, and a neighbour cut off mid-message counts where its pieces
+arrived. The others hold each neighbour's value whole until the round mixes.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
 from gossip.algorithms.robust import RobustRule
+from gossip.buffers.pieces import RunningMix
 from gossip.buffers.vector import Frames
 from gossip.messages import PARAMS
 from gossip.network import Envelope, PeerNetwork
@@ -98,6 +104,10 @@ class DPSGD(Averager):
             raise ValueError("dpsgd catch_up skips rounds, overlap mixes the one before: choose one")
         self.backup = backup
         self.overlap = overlap
+        self.streams = overlap == 0 and robust is None and max_staleness == 0
+        if self.streams:
+            peer.take_pieces(self.kinds)
+        self._early_pieces: defaultdict[int, list[Envelope]] = defaultdict(list)
         self.exact_every = exact_every
         self._sent: dict[int, np.ndarray] = {}  # own values of rounds whose mixing is to come
         self.robust = robust
@@ -137,6 +147,8 @@ class DPSGD(Averager):
         for target in sending.send_to:
             self.peer.send(target, PARAMS, r, frames)
         self.round += 1
+        if self.streams:
+            return self._mix_as_they_come(r, sending)
         mixed = r - self.overlap
         own = self._sent.pop(mixed, None) if self.overlap else snapshot
         if self.overlap:
@@ -158,8 +170,65 @@ class DPSGD(Averager):
     def _skip_to(self, r: int) -> None:
         self.rounds_skipped += r - self.round
         self.round = r
-        for old in [k for k in self._early if k < r]:
-            del self._early[old]
+        for early in (self._early, self._early_pieces):
+            for old in [k for k in early if k < r]:
+                del early[old]
+
+    def _mix_as_they_come(self, r: int, row: MixingRow) -> RoundStats:
+        """Round ``r`` mixed piece by piece as the neighbours' values arrive (bounded wait)."""
+        mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
+        neighbours = set(row.receive_from)
+        enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
+        for early in self._early_pieces.pop(r, []):
+            self._take_piece(early, r, row, mix)
+        waiting = {j for j in neighbours - self._silent if not mix.complete(j)}
+        started = self.peer.now()
+        deadline = started + self.wait_limit()
+        timed_out = False
+        while waiting and sum(mix.complete(j) for j in neighbours) < enough:
+            remaining = deadline - self.peer.now()
+            if remaining <= 0:
+                timed_out = True
+                break
+            arrived = self.peer.recv(remaining, self.kinds)
+            if arrived is None:
+                waiting &= self.peer.members(r)  # a neighbour that left is not waited for
+            else:
+                self._take_piece(arrived, r, row, mix)
+                waiting = {j for j in waiting if not mix.complete(j)}
+        while (arrived := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
+            self._take_piece(arrived, r, row, mix)
+        if timed_out:
+            self._went_silent(neighbours - mix.senders)
+        wait_s = self.peer.now() - started
+        return RoundStats(r, len(neighbours), len(neighbours & mix.senders), wait_s, row.topology)
+
+    def _take_piece(self, message: Envelope, r: int, row: MixingRow, mix: RunningMix) -> None:
+        """Mix a neighbour's value (or piece) for round ``r`` in, keep one for a later round,
+        or count why not."""
+        sender = message.sender
+        if message.kind not in self.kinds:
+            self.rejected["unexpected_kind"] += 1
+            return
+        self._heard_from(sender)  # (late or early, it is sending again: wait for it)
+        self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
+        if message.round > r + self._max_ahead:
+            self.dropped["too_far_ahead"] += 1
+        elif message.round > r:
+            self._early_pieces[message.round].append(message)
+        elif message.round < r:
+            self.dropped["stale"] += 1
+        elif sender not in row.receive_from:
+            self.dropped["not_a_neighbour"] += 1
+        else:
+            first = sender not in mix.senders
+            problem = mix.add(message, row.receive_from[sender])
+            if problem == "refused_message":
+                self.dropped[problem] += 1
+            elif problem is not None:
+                self.rejected[problem] += 1
+            elif first:
+                self.staleness.add(0)
 
     def _round_row(self, r: int) -> MixingRow:
         """The row of round ``r``: on the complete graph every ``exact_every``-th round."""

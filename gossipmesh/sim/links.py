@@ -208,6 +208,9 @@ class VirtualPeer:
         """A coroutine of this node on the clock, ready to run; it stops when the node fails."""
         return self.clock.spawn(name, self._node_id, target, main=False)
 
+    def take_pieces(self, kinds: Collection[str]) -> None:
+        """Messages travel whole here (their time on a link is charged whole): nothing to change."""
+
     def _take(self, kinds: Collection[str] | None) -> Message | None:
         for index, message in enumerate(self._inbox):
             if kinds is None or message.kind in kinds:

@@ -143,6 +143,9 @@ class MemoryPeer:
     def start_background(self, name: str, target: Callable[[], None]) -> threading.Thread:
         return start_thread(name, target)
 
+    def take_pieces(self, kinds: Collection[str]) -> None:
+        """Messages travel whole in memory: nothing to change."""
+
     def put(self, message: Message) -> None:
         self._inbox.put(message)
 

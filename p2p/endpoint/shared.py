@@ -42,3 +42,6 @@ class Endpoint:
 
     def start_background(self, name: str, target: Callable[[], None]) -> threading.Thread:
         return start_thread(name, target)
+
+    def take_pieces(self, kinds: Collection[str]) -> None:
+        self.transport.take_pieces(kinds)

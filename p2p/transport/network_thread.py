@@ -177,6 +177,7 @@ class Transport:
         self.failure: str | None = None
         self.stopped = threading.Event()  # set when the network thread has ended, for any reason
         self._assembler = Assembler()
+        self._piece_kinds: frozenset[str] = frozenset()  # streams handed on chunk by chunk
         self._identities = Identities()
         self._poller = Poller()
         self._session = secrets.randbits(63)
@@ -306,6 +307,11 @@ class Transport:
             return lambda: self._outbound.send_now(address, key, member, frames, patient=patient)
         chunks = encode_chunks(**fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes)
         return lambda: self._outbound.send_stream(address, key, member, chunks)
+
+    def take_pieces(self, kinds: Collection[str]) -> None:
+        """Hand on the large messages of ``kinds`` chunk by chunk, as they come, instead of
+        whole (see ``p2p.transport.reassembly``); any thread. Their readers mix each piece in."""
+        self._piece_kinds = self._piece_kinds | frozenset(kinds)
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         """The oldest inbox message (of one of ``kinds``, if given), or None after ``timeout``
@@ -539,10 +545,11 @@ class Transport:
         if routing_id is not None and lane == 0:
             self.connections.note_route(claimed, key, routing_id)
         if isinstance(decoded, Chunk):
-            assembled = self._assembler.add(decoded, key or claimed)
-            if assembled is None:
+            whole = message.kind not in self._piece_kinds
+            taken = (self._assembler.add if whole else self._assembler.piece)(decoded, key or claimed)
+            if taken is None:
                 return
-            message = assembled
+            message = taken
         message = replace(message, key=key)
         self.stats.messages_received += 1
         service = self._services.get(message.kind)

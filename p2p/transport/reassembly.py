@@ -11,6 +11,11 @@ times that length, the last ends the payload, no index comes twice: so the chunk
 tensors exactly, whatever order they come in, and a message is never yielded with a byte left
 unwritten.
 
+A stream of a kind its reader takes piece by piece (:meth:`Assembler.piece`) is checked the same
+way, chunk by chunk, but never copied: each chunk goes on as a message of its own, its tensors
+the chunk's bytes as they came and its ``piece`` saying where they sit (the reader mixes them in
+as they come: ``gossip.buffers.pieces``). Nothing is allocated for such a stream.
+
 Memory: at most ``max_streams`` streams at once (more are refused), ``MAX_STREAMS_PER_SENDER``
 per sender (beyond, its oldest is dropped and its late chunks ignored), and none for longer
 than ``idle_s`` without a chunk (a sender killed mid-stream leaves nothing behind). A sender is
@@ -29,7 +34,7 @@ from dataclasses import replace
 import numpy as np
 
 from p2p.security.ratelimit import lru_entry
-from p2p.wire import Chunk, Message, WireError
+from p2p.wire import Chunk, Message, Piece, WireError
 
 MAX_STREAMS = 32
 MAX_STREAMS_PER_SENDER = 4  # (a stream finishing on some connections while the next begins)
@@ -40,13 +45,13 @@ StreamName = tuple[str, int, int]  # sender, session, first seq
 
 
 class _Stream:
-    def __init__(self, first: Chunk, now: float) -> None:
+    def __init__(self, first: Chunk, now: float, *, assembled: bool) -> None:
         self.first = first
         self.heard = now
-        self.tensors = [np.empty(shape, dtype) for dtype, shape, _ in first.specs]
+        self.tensors = [np.empty(shape, dtype) for dtype, shape, _ in first.specs] if assembled else []
         self._views = [t.reshape(-1).view(np.uint8) for t in self.tensors]
         self._ends = list(itertools.accumulate(v.size for v in self._views))
-        self.indices: set[int] = set()  # the chunks copied in
+        self.indices: set[int] = set()  # the chunks taken (copied in, when assembled)
         self.stride: int | None = None  # every chunk's length but the last's, once one is in
 
     def place(self, chunk: Chunk) -> int | None:
@@ -76,6 +81,11 @@ class _Stream:
             return None
         return stride if not last or chunk.offset + chunk.nbytes == chunk.total else None
 
+    def take(self, chunk: Chunk, stride: int) -> None:
+        """Count the chunk in, at ``stride``."""
+        self.indices.add(chunk.index)
+        self.stride = stride
+
     def write(self, chunk: Chunk, stride: int) -> None:
         """Copy the chunk's pieces to their place in the tensors."""
         position = chunk.offset
@@ -89,8 +99,7 @@ class _Stream:
                 view[start : start + n] = data[:n]
                 data = data[n:]
                 position += n
-        self.indices.add(chunk.index)
-        self.stride = stride
+        self.take(chunk, stride)
 
     @property
     def complete(self) -> bool:
@@ -117,19 +126,10 @@ class Assembler:
         """Take one chunk of ``sender`` (default: the id the chunk claims); the whole message
         once its last chunk is in. Raises WireError: ``chunk_sequence`` for a chunk that does
         not fit its stream, ``too_many_streams`` for a new stream beyond the cap."""
-        sender = chunk.message.sender if sender is None else sender
-        name = (sender, chunk.message.session, chunk.message.seq - chunk.index)
-        now = self._clock()
-        stream = self._streams.get(name)
-        if stream is None:
-            if name in self._dropped.get(sender, ()):
-                return None  # a late chunk of a stream dropped for a newer one: nothing to do
-            stream = self._start(name, chunk, now)
-        stride = stream.place(chunk)
-        if stride is None:
-            self._drop(name)
-            raise WireError("chunk_sequence", f"chunk {chunk.index} of {chunk.count} does not fit its stream")
-        stream.heard = now
+        placed = self._place(chunk, sender, assembled=True)
+        if placed is None:
+            return None
+        name, stream, stride = placed
         stream.write(chunk, stride)
         if not stream.complete:
             return None
@@ -138,14 +138,46 @@ class Assembler:
             tensor.flags.writeable = False
         return replace(chunk.message, tensors=tuple(stream.tensors))
 
-    def _start(self, name: StreamName, chunk: Chunk, now: float) -> _Stream:
+    def piece(self, chunk: Chunk, sender: str | None = None) -> Message | None:
+        """The chunk as a message of its own (its ``piece`` says where it sits), once checked
+        against its stream as :meth:`add` checks it; None for a late chunk of a dropped stream."""
+        placed = self._place(chunk, sender, assembled=False)
+        if placed is None:
+            return None
+        name, stream, stride = placed
+        stream.take(chunk, stride)
+        if stream.complete:
+            del self._streams[name]
+        pieces = tuple(np.frombuffer(piece, dtype=np.uint8) for piece in chunk.pieces)
+        return replace(chunk.message, tensors=pieces, piece=Piece(chunk.offset, chunk.specs))
+
+    def _place(
+        self, chunk: Chunk, sender: str | None, *, assembled: bool
+    ) -> tuple[StreamName, _Stream, int] | None:
+        """The chunk's stream (started by its first chunk to come) and its stride there."""
+        sender = chunk.message.sender if sender is None else sender
+        name = (sender, chunk.message.session, chunk.message.seq - chunk.index)
+        now = self._clock()
+        stream = self._streams.get(name)
+        if stream is None:
+            if name in self._dropped.get(sender, ()):
+                return None  # a late chunk of a stream dropped for a newer one: nothing to do
+            stream = self._start(name, chunk, now, assembled)
+        stride = stream.place(chunk)
+        if stride is None:
+            self._drop(name)
+            raise WireError("chunk_sequence", f"chunk {chunk.index} of {chunk.count} does not fit its stream")
+        stream.heard = now
+        return name, stream, stride
+
+    def _start(self, name: StreamName, chunk: Chunk, now: float, assembled: bool) -> _Stream:
         self.expire(now)
         mine = sorted(n for n in self._streams if n[0] == name[0])
         for older in mine[: max(0, len(mine) - MAX_STREAMS_PER_SENDER + 1)]:
             self._drop(older)
         if len(self._streams) >= self._max_streams:
             raise WireError("too_many_streams", f"{len(self._streams)} streams are being received")
-        stream = self._streams[name] = _Stream(chunk, now)
+        stream = self._streams[name] = _Stream(chunk, now, assembled=assembled)
         return stream
 
     def _drop(self, name: StreamName) -> None:
@@ -166,4 +198,4 @@ class Assembler:
     @property
     def held_bytes(self) -> int:
         """Memory held for the streams in progress (their whole messages, allocated at chunk 0)."""
-        return sum(stream.first.total for stream in list(self._streams.values()))
+        return sum(stream.first.total for stream in list(self._streams.values()) if stream.tensors)

@@ -1,0 +1,182 @@
+"""Mixing neighbours' values into the model piece by piece, as they arrive.
+
+A large message reaches the algorithm as pieces (``PeerNetwork.take_pieces``): bytes
+``offset...`` of its payload, the frames of a :class:`~gossip.buffers.vector.Layout`. A
+:class:`RunningMix` mixes each piece into the node's vector as it comes, keeping every element
+a convex combination of what has arrived for it at every moment::
+
+    x[e] <- (W[e] x[e] + w v[e]) / (W[e] + w)
+
+where ``w`` is the sender's mixing weight and ``W[e]`` the weight mixed in at element ``e`` so
+far (the node's own weight to begin with). When every value arrived, ``x`` is the row's
+weighted mean; a neighbour cut off mid-message counts exactly where its pieces arrived, and
+nowhere else, with the weights renormalised there. No message is held: what a node adds for a
+round is the pieces waiting to be mixed, and a reader of the model (evaluation, a joiner's
+state) sees a proper mix at any moment.
+
+Each piece is checked before it touches the model, block by block in the same pass as the
+mixing: its frames must be the layout's, its bounds whole elements, its values finite. A bad
+block ends what is taken of that message (the blocks before it stay, counted where they are);
+the other senders' messages are not affected. A value that came whole (small, or over an
+in-memory network) is checked whole first, and taken whole or not at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+
+import numpy as np
+
+from gossip.buffers.vector import Layout, all_finite
+from gossip.network import Envelope
+
+BLOCK = 1 << 18  # elements mixed at a time: a block of the vector and of the piece stay in cache
+
+
+class RunningMix:
+    """One round's mix into ``params`` (see the module docstring).
+
+    Args:
+        params: the node's vector, mixed in place (its own value when the round begins).
+        layout: how neighbours' values go on the wire.
+        self_weight: the node's own weight in the round's row.
+        scratch: a buffer of at least ``min(BLOCK, params.size)`` elements of ``params``' dtype.
+        lock: held while a block of ``params`` is written.
+    """
+
+    def __init__(
+        self,
+        params: np.ndarray,
+        layout: Layout,
+        self_weight: float,
+        scratch: np.ndarray,
+        lock: AbstractContextManager[object],
+    ) -> None:
+        self._params = params
+        self._layout = layout
+        self._scratch = scratch
+        self._lock = lock
+        self._specs = [(np.dtype(d), (n,), n * np.dtype(d).itemsize) for d, n in layout.buckets]
+        self._frame_bytes = np.cumsum([0, *(nbytes for _, _, nbytes in self._specs)])
+        self._frame_elements = np.cumsum([0, *(n for _, n in layout.buckets)])
+        self._starts = [0]  # the weight mixed in is _weights[i] from element _starts[i] on
+        self._weights = [self_weight]
+        self._covered: dict[str, list[tuple[int, int]]] = {}  # sender -> payload bytes taken
+        self._refused: set[str] = set()
+
+    @property
+    def senders(self) -> set[str]:
+        """The senders whose values are (partly) mixed in."""
+        return set(self._covered)
+
+    def complete(self, sender: str) -> bool:
+        """Whether all of ``sender``'s value is mixed in."""
+        total = int(self._frame_bytes[-1])
+        return sum(hi - lo for lo, hi in self._covered.get(sender, ())) == total
+
+    def add(self, message: Envelope, weight: float) -> str | None:
+        """Mix in ``message`` (a whole value or one piece of it) with ``weight``; the reason it
+        was refused (in part: from its first bad block on), or None."""
+        sender = message.sender
+        if sender in self._refused:
+            return "refused_message"
+        piece = message.piece
+        if piece is None:  # a whole value: checked whole, taken whole or not at all
+            problem = self._layout.problem(message.tensors)
+            if problem is None and not all(all_finite(t) for t in message.tensors):
+                problem = "non_finite"
+            if problem is not None:
+                return problem
+            data, offset = [np.asarray(t).reshape(-1).view(np.uint8) for t in message.tensors], 0
+        else:
+            if [(np.dtype(d), tuple(s), n) for d, s, n in piece.specs] != self._specs:
+                return self._refuse(sender, "tensor_mismatch")
+            data, offset = list(message.tensors), piece.offset
+        stop = offset + sum(part.nbytes for part in data)
+        if any(lo < stop and offset < hi for lo, hi in self._covered.get(sender, ())):
+            return "duplicate_piece" if piece is None else self._refuse(sender, "duplicate_piece")
+        for part in data:
+            problem = self._add_bytes(sender, part, offset, weight)
+            if problem is not None:
+                return self._refuse(sender, problem)
+            offset += part.nbytes
+        return None
+
+    def _refuse(self, sender: str, reason: str) -> str:
+        self._refused.add(sender)
+        return reason
+
+    def _add_bytes(self, sender: str, data: np.ndarray, offset: int, weight: float) -> str | None:
+        """Mix bytes ``offset...`` of the payload (possibly across frames)."""
+        base, end = offset, offset + data.size  # (data[0] is payload byte ``base``)
+        if data.dtype != np.uint8 or end > self._frame_bytes[-1]:
+            return "piece_out_of_bounds"
+        while offset < end:
+            frame = int(np.searchsorted(self._frame_bytes, offset, side="right")) - 1
+            dtype = self._specs[frame][0]
+            lo = offset - int(self._frame_bytes[frame])
+            hi = min(end, int(self._frame_bytes[frame + 1])) - int(self._frame_bytes[frame])
+            if lo % dtype.itemsize or hi % dtype.itemsize:
+                return "piece_misaligned"
+            values = data[offset - base : offset - base + hi - lo].view(dtype)
+            first = int(self._frame_elements[frame]) + lo // dtype.itemsize
+            mixed = self._mix(values, first, weight)
+            self._cover(sender, offset, offset + mixed * dtype.itemsize)
+            if mixed < values.size:
+                return "non_finite"
+            offset += hi - lo
+        return None
+
+    def _mix(self, values: np.ndarray, first: int, weight: float) -> int:
+        """Mix ``values`` into elements ``first...``, block by block, each checked finite
+        first; how many were mixed (all, or up to the first bad block)."""
+        done = 0
+        while done < values.size:
+            start = first + done
+            segment = bisect.bisect_right(self._starts, start) - 1
+            stop = first + values.size
+            if segment + 1 < len(self._starts):
+                stop = min(stop, self._starts[segment + 1])
+            stop = min(stop, start + self._scratch.size)
+            block = self._scratch[: stop - start]
+            np.copyto(block, values[done : done + block.size], casting="same_kind")
+            if not np.isfinite(block).all():
+                return done
+            before = self._weights[segment]
+            after = before + weight
+            with self._lock:
+                target = self._params[start:stop]
+                target *= before / after
+                block *= weight / after
+                target += block
+            self._raise(start, stop, weight)
+            done += block.size
+        return done
+
+    def _raise(self, start: int, stop: int, weight: float) -> None:
+        """Add ``weight`` to what is mixed in at elements ``start:stop`` (one segment's part)."""
+        for edge in (start, stop):
+            index = bisect.bisect_right(self._starts, edge) - 1
+            if self._starts[index] != edge and edge < self._params.size:
+                self._starts.insert(index + 1, edge)
+                self._weights.insert(index + 1, self._weights[index])
+        index = bisect.bisect_left(self._starts, start)
+        self._weights[index] += weight
+        self._merge_around(index)
+
+    def _merge_around(self, index: int) -> None:
+        """Join neighbouring segments of equal weight (a value that arrived whole leaves one)."""
+        for i in (index + 1, index):
+            if 0 < i < len(self._starts) and self._weights[i] == self._weights[i - 1]:
+                del self._starts[i], self._weights[i]
+
+    def _cover(self, sender: str, lo: int, hi: int) -> None:
+        if hi > lo:
+            self._covered.setdefault(sender, []).append((lo, hi))
+
+    @property
+    def weights(self) -> Sequence[tuple[int, float]]:
+        """(first element, weight mixed in from there on) of each segment of the vector."""
+        return list(zip(self._starts, self._weights, strict=True))

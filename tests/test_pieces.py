@@ -1,0 +1,149 @@
+"""Mixing neighbours' values piece by piece as they arrive (``gossip.buffers.pieces``), and the
+transport handing large messages on chunk by chunk for it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import average_in_threads, started_peers, started_transport
+
+from gossip.buffers.pieces import RunningMix
+from gossip.buffers.vector import Layout
+from p2p.wire import CHUNK_BYTES, Message, Piece
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _pieces(sender: str, vector: np.ndarray, layout: Layout, size: int) -> list[Message]:
+    """``vector`` as the transport hands it on: chunks of ``size`` payload bytes, each a piece."""
+    payload = np.concatenate([frame.reshape(-1).view(np.uint8) for frame in layout.pack(vector)])
+    specs = tuple((np.dtype(d), (n,), n * np.dtype(d).itemsize) for d, n in layout.buckets)
+    return [
+        Message("params", sender, 0, (payload[start : start + size],), piece=Piece(start, specs))
+        for start in range(0, payload.size, size)
+    ]
+
+
+def _mix(own: np.ndarray, layout: Layout, self_weight: float = 1 / 3) -> RunningMix:
+    return RunningMix(own, layout, self_weight, np.empty(16, own.dtype), contextlib.nullcontext())
+
+
+def test_pieces_in_any_order_mix_to_the_weighted_mean() -> None:
+    own, a, b = np.zeros(100), np.full(100, 3.0), np.arange(100.0)
+    layout = Layout.of(own)
+    mix = _mix(own, layout)
+    pieces = _pieces("a", a, layout, 64) + _pieces("b", b, layout, 120)
+    for index in np.random.default_rng(0).permutation(len(pieces)):
+        assert mix.add(pieces[index], 1 / 3) is None
+    assert mix.complete("a") and mix.complete("b")
+    np.testing.assert_allclose(own, (a + b) / 3, rtol=1e-14)
+    assert mix.weights == [(0, pytest.approx(1.0))]
+
+
+def test_a_neighbour_cut_off_mid_stream_counts_where_it_arrived() -> None:
+    own, a, b = np.zeros(100), np.full(100, 3.0), np.full(100, 6.0)
+    layout = Layout.of(own)
+    mix = _mix(own, layout)
+    for piece in _pieces("a", a, layout, 80)[:5]:  # elements 0..49 of a arrived, then a was gone
+        assert mix.add(piece, 1 / 3) is None
+    for piece in _pieces("b", b, layout, 80):
+        assert mix.add(piece, 1 / 3) is None
+    assert not mix.complete("a") and mix.complete("b")
+    np.testing.assert_allclose(own[:50], 3.0)  # (0 + 3 + 6) / 3
+    np.testing.assert_allclose(own[50:], 3.0)  # (0 + 6) / 2: a's weight renormalised away
+    assert [(start, round(weight, 12)) for start, weight in mix.weights] == [(0, 1.0), (50, 0.666666666667)]
+    assert ((own >= 0) & (own <= 6)).all()  # a convex combination everywhere
+
+
+def test_a_bad_piece_refuses_its_message_only() -> None:
+    own, a, b = np.zeros(60), np.full(60, 3.0), np.full(60, 6.0)
+    a[45] = np.nan
+    layout = Layout.of(own)
+    mix = _mix(own, layout, 1 / 3)
+    problems = [mix.add(piece, 1 / 3) for piece in _pieces("a", a, layout, 160)]  # 20 elements each
+    assert problems == [None, None, "non_finite"]
+    assert [mix.add(p, 1 / 3) for p in _pieces("b", b, layout, 160)] == [None] * 3
+    assert np.isfinite(own).all()
+    np.testing.assert_allclose(own[:32], 3.0)  # a's blocks before its bad one (16 elements each)
+    np.testing.assert_allclose(own[48:], 3.0)  # (0 + 6) / 2
+    again = _pieces("a", a, layout, 160)[0]
+    assert mix.add(again, 1 / 3) == "refused_message"
+
+
+SPECS = ((np.dtype(np.float64), (100,), 800),)
+
+
+@pytest.mark.parametrize(
+    ("offset", "length", "specs", "reason"),
+    [
+        (3, 7, SPECS, "piece_misaligned"),  # not whole float64 values
+        (0, 8, ((BF16, (4,), 8),), "tensor_mismatch"),  # another layout's piece
+        (792, 16, SPECS, "piece_out_of_bounds"),  # past the payload's end
+    ],
+    ids=["misaligned", "other layout", "beyond the payload"],
+)
+def test_a_piece_that_does_not_fit_is_refused(
+    offset: int, length: int, specs: tuple[tuple[np.dtype, tuple[int, ...], int], ...], reason: str
+) -> None:
+    own = np.zeros(100)
+    piece = Message("params", "a", 0, (np.ones(length, np.uint8),), piece=Piece(offset, specs))
+    assert _mix(own, Layout.of(own)).add(piece, 0.5) == reason
+    assert not own.any()
+
+
+def test_the_same_bytes_twice_are_refused() -> None:
+    own = np.zeros(40)
+    layout = Layout.of(own)
+    mix = _mix(own, layout, 0.5)
+    first = _pieces("a", np.ones(40), layout, 160)
+    assert mix.add(first[0], 0.5) is None
+    assert mix.add(first[0], 0.5) == "duplicate_piece"
+
+
+def test_bfloat16_buckets_are_widened_as_they_are_mixed() -> None:
+    own = np.zeros(48, np.float32)
+    layout = Layout(((BF16, 32), (np.dtype(np.float32), 16)))
+    mix = _mix(own, layout, 0.5)
+    value = np.linspace(-2, 2, 48).astype(np.float32)
+    for piece in _pieces("a", value, layout, 24):
+        assert mix.add(piece, 0.5) is None
+    expected = np.concatenate([value[:32].astype(BF16).astype(np.float32), value[32:]]) / 2
+    np.testing.assert_allclose(own, expected, rtol=1e-7)
+
+
+def test_the_transport_hands_a_stream_on_chunk_by_chunk_for_the_kinds_asked() -> None:
+    vector = np.arange(CHUNK_BYTES // 4 * 2 + 10, dtype=np.float32)  # 3 chunks
+    with (
+        started_transport("rx", inbox_kinds={"params", "push"}) as receiver,
+        started_transport("tx") as sender,
+    ):
+        receiver.take_pieces({"params"})
+        sender.send(receiver.address, "params", 7, [vector])
+        sender.send(receiver.address, "push", 7, [vector])
+        pieces: list[Message] = []
+        while sum(p.tensors[0].nbytes for p in pieces) < vector.nbytes:
+            piece = receiver.recv(30, {"params"})
+            assert piece is not None, "a chunk did not come"
+            pieces.append(piece)
+        whole = receiver.recv(30, {"push"})
+    assert whole is not None and whole.piece is None
+    np.testing.assert_array_equal(whole.tensors[0], vector)
+    assert sorted(p.piece.offset for p in pieces) == [0, CHUNK_BYTES, 2 * CHUNK_BYTES]
+    payload = np.empty(vector.nbytes, np.uint8)
+    for piece in pieces:
+        payload[piece.piece.offset : piece.piece.offset + piece.tensors[0].nbytes] = piece.tensors[0]
+    np.testing.assert_array_equal(payload.view(np.float32), vector)
+
+
+def test_a_complete_graph_averages_streamed_values_exactly() -> None:
+    """Three real nodes on 127.0.0.1, values of 3 chunks each, mixed as their pieces arrive."""
+    size = CHUNK_BYTES // 8 * 2 + 1000
+    vectors = [np.random.default_rng(i).standard_normal(size) for i in range(3)]
+    mean = np.mean(vectors, axis=0)
+    with started_peers(["a", "b", "c"]) as peers:
+        average_in_threads(peers, vectors, topology="complete", rounds=1, timeout=30)
+    for vector in vectors:
+        np.testing.assert_allclose(vector, mean, rtol=0, atol=1e-12)
