@@ -11,6 +11,7 @@ import torch
 from helpers import in_background, started_peers
 
 from gossip import CHOCO, DPSGD, GossipOptimizer
+from gossip.algorithms.choco import MAX_PENDING
 from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
 from gossip.messages import CHOCO_FULL as FULL
@@ -81,6 +82,19 @@ def test_choco_drops_a_replica_that_a_diverged_neighbour_made_infinite() -> None
         choco.after_step()
     assert np.isfinite(params).all()
     assert choco.rejected["non_finite"] == 1
+
+
+def test_choco_keeps_a_bounded_number_of_updates_for_future_rounds() -> None:
+    """A neighbour's q's for the next 400 rounds, after its full copy: at most MAX_PENDING wait
+    (each a model's size), the rest are dropped as too far ahead."""
+    choco, _, b = _choco_pair()
+    choco.after_step()
+    for r in range(2, 402):
+        b.send("a", KIND, r, [np.zeros(SIZE, np.float32)], {"codec": "none", "gamma": 1.0})
+    choco.after_step()
+    pending = choco._replicas["b"].pending
+    assert sum(q.nbytes for q, _ in pending.values()) <= MAX_PENDING * SIZE * 4
+    assert choco.dropped["choco_ahead"] == 400 - len(pending) > 0
 
 
 @pytest.mark.parametrize("gamma", [None, 0.0, 1.5, "1", float("nan")])
