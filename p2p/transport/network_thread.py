@@ -456,6 +456,8 @@ class Transport:
         if now >= self._next_tick:
             self._tick_services(now)
         if now >= self._next_housekeeping:
+            if self._authenticator is not None:
+                self._authenticator.check()  # supervised: its death is this thread's failure
             self.connections.expire(now)
             self._assembler.expire(now)
             self._next_housekeeping = now + _HOUSEKEEPING_S
