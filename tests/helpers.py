@@ -19,6 +19,7 @@ import zmq
 
 from gossip import Algorithm, Codec, PeerNetwork
 from gossip.algorithms import averager as averager_module
+from gossip.algorithms.averager import RoundStats
 from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology
@@ -56,12 +57,14 @@ def average_in_threads(
     rounds: int,
     timeout: float = 5.0,
     history: list[list[np.ndarray]] | None = None,
+    stats: list[list[RoundStats]] | None = None,
     algorithm: str | Sequence[str] = "dpsgd",
     compression: str = "none",
 ) -> list[list[float]]:
     """Run ``rounds`` rounds of pure averaging (no training) on every peer at once; returns
     round durations. Each wait for a neighbour lasts up to ``timeout`` (:func:`full_waits`).
-    With ``history``, node i's vector after each round is appended to ``history[i]``.
+    With ``history``, node i's vector after each round is appended to ``history[i]``; with
+    ``stats``, what each round of node i mixed to ``stats[i]``.
     ``algorithm`` is every node's, or a list of each node's."""
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
@@ -80,8 +83,10 @@ def average_in_threads(
             )
             for _ in range(rounds):
                 started = time.monotonic()
-                averager.after_step()
+                round_stats = averager.after_step()
                 durations[i].append(time.monotonic() - started)
+                if stats is not None and round_stats is not None:
+                    stats[i].append(round_stats)
                 if history is not None:
                     history[i].append(vectors[i].copy())
             averager.close()

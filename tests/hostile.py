@@ -72,12 +72,22 @@ def record_of(peer: Peer, **changes: object) -> list[object]:
     return Member(**fields).to_wire()  # type: ignore[arg-type]
 
 
-def fake_members(count: int, prefix: str = "fake", key: str = "") -> list[list[object]]:
-    """Records of ``count`` live members that do not exist (addresses nobody listens on)."""
+def fake_members(count: int, prefix: str = "fake", keys: Sequence[str] = ()) -> list[list[object]]:
+    """Records of ``count`` live members that do not exist (addresses nobody listens on), the
+    i-th with ``keys[i]`` (no key if ``keys`` is empty)."""
     return [
         Member(f"{prefix}-{i}", f"tcp://127.0.0.1:{10_000 + i}", i + 1, 0, Status.ALIVE, key=key).to_wire()
-        for i in range(count)
+        for i, key in enumerate(keys or [""] * count)
     ]
+
+
+def trust_new_keys(trusted: Path, count: int) -> list[str]:
+    """Put ``count`` new public keys (z85) in the folder ``trusted``: keys an insider could give
+    the members it makes up (a member's key is one no other live member holds)."""
+    keys = [zmq.curve_keypair()[0].decode() for _ in range(count)]
+    for i, key in enumerate(keys):
+        (trusted / f"made-up-{i}.key").write_text(f'metadata\ncurve\n    public-key = "{key}"\n')
+    return keys
 
 
 def resident_bytes(pid: int | str = "self") -> int:

@@ -5,6 +5,7 @@ and a checkpoint that cannot be written is counted and retried (shutdown and dis
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import multiprocessing
@@ -27,7 +28,7 @@ from gossipmesh.config import NodeConfig, node_config
 from gossipmesh.daemon import lifecycle
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.daemon.metrics import NodeMetrics
-from gossipmesh.daemon.status_server import MAX_CONNECTIONS, StatusServer
+from gossipmesh.daemon.status_server import MAX_PER_CLIENT, StatusServer
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p import Peer, TransportError
 from p2p.membership.protocol import NOT_YET
@@ -54,21 +55,44 @@ def _status(port: int, path: str) -> int:
         return 0
 
 
-def test_the_status_endpoint_holds_a_bounded_number_of_idle_connections(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Item 11: 100 connections that send nothing."""
-    monkeypatch.setattr(gossipmesh.daemon.status_server._Handler, "timeout", 1.0)
-    assert node_config(["--insecure", "--metrics-host", "127.0.0.1"]).metrics_host == "127.0.0.1"
-    server = StatusServer(NodeMetrics(stale_after_s=60), 0, "127.0.0.1")
+def test_the_status_endpoint_holds_a_bounded_number_of_idle_connections() -> None:
+    """100 connections that send nothing hold no thread and at most MAX_PER_CLIENT places: a
+    probe from the same address is answered at once."""
+    assert node_config(["--insecure"]).metrics_host == "127.0.0.1"
+    server = StatusServer(NodeMetrics(stale_after_s=60), 0)
     before = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
     try:
-        assert wait_until(lambda: server.refused == 100 - MAX_CONNECTIONS, 5)  # all 100 taken in
-        assert threading.active_count() - before == MAX_CONNECTIONS
-        assert wait_until(lambda: _status(server.port, "/healthz") == 200, 10)  # the idle ones timed out
+        assert wait_until(lambda: server.evicted == 100 - MAX_PER_CLIENT, 30)  # all 100 taken in
+        assert threading.active_count() == before
+        assert _status(server.port, "/healthz") == 200
     finally:
         for connection in idle:
+            connection.close()
+        server.close()
+
+
+def test_clients_that_trickle_their_requests_neither_hold_healthz_nor_outlive_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Twice MAX_CONNECTIONS clients sending a byte every 0.2 s: every probe meanwhile is
+    answered, and each trickler is closed at the whole-request deadline, not kept by its bytes."""
+    monkeypatch.setattr(gossipmesh.daemon.status_server, "REQUEST_DEADLINE_S", 1.0)
+    server = StatusServer(NodeMetrics(stale_after_s=60), 0, max_connections=16, max_per_client=16)
+    slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(32)]
+    probes: list[int] = []
+    try:
+        for _ in range(10):
+            for connection in slow:
+                with contextlib.suppress(OSError):
+                    connection.send(b"G")
+            probes.append(_status(server.port, "/healthz"))
+            time.sleep(0.2)
+        assert probes == [200] * 10
+        assert wait_until(lambda: server.expired >= 1 and not server._open, 30)
+        assert server.evicted + server.expired >= 32
+    finally:
+        for connection in slow:
             connection.close()
         server.close()
 

@@ -5,12 +5,15 @@ bad source for another (12)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 from helpers import in_background, started_peers
 
 from gossip import CHOCO, DPSGD, GossipOptimizer
+from gossip.algorithms.choco import MAX_PENDING
 from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
 from gossip.messages import CHOCO_FULL as FULL
@@ -19,7 +22,7 @@ from gossip.messages import CHOCO_UPDATE as KIND
 from gossip.messages import STATE_REQUEST as REQUEST
 from gossip.state.fetch import fetch_state
 from gossip.state.manifest import MAX_WINDOW, Snapshot, StateTransferError
-from gossip.state.server import MAX_TRANSFERS, StateServer
+from gossip.state.server import MAX_TRANSFERS, STATE_COPIES, StateServer
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
@@ -81,6 +84,19 @@ def test_choco_drops_a_replica_that_a_diverged_neighbour_made_infinite() -> None
         choco.after_step()
     assert np.isfinite(params).all()
     assert choco.rejected["non_finite"] == 1
+
+
+def test_choco_keeps_a_bounded_number_of_updates_for_future_rounds() -> None:
+    """A neighbour's q's for the next 400 rounds, after its full copy: at most MAX_PENDING wait
+    (each a model's size), the rest are dropped as too far ahead."""
+    choco, _, b = _choco_pair()
+    choco.after_step()
+    for r in range(2, 402):
+        b.send("a", KIND, r, [np.zeros(SIZE, np.float32)], {"codec": "none", "gamma": 1.0})
+    choco.after_step()
+    pending = choco._replicas["b"].pending
+    assert sum(q.nbytes for q, _ in pending.values()) <= MAX_PENDING * SIZE * 4
+    assert choco.dropped["choco_ahead"] == 400 - len(pending) > 0
 
 
 @pytest.mark.parametrize("gamma", [None, 0.0, 1.5, "1", float("nan")])
@@ -192,6 +208,47 @@ def test_a_joiner_skips_a_bad_state_source_for_a_good_one() -> None:
         assert join_running_mesh(late, joiner, 20, lambda: False) is not None  # type: ignore[arg-type]
     np.testing.assert_array_equal(joiner.flat.array, source.flat.array)
     assert joiner.step_count == 7 and joiner.round == 2  # good's round 0 + the lead
+
+
+def test_a_source_whose_manifest_does_not_fit_the_model_is_the_one_left_out() -> None:
+    """ "bad" answers first with a layout 2 elements longer: it is left out, not the honest
+    source that answers after it, and the joiner takes the honest state."""
+    network = MemoryNetwork()
+    bad, good, late = network.join("bad"), network.join("good"), network.join("late")
+    config = NodeConfig(insecure=True, startup_timeout=20)
+    task = config.task.make()
+    joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), late)
+    source = GossipOptimizer(torch.optim.SGD(task.model(1).parameters(), lr=0.1), peer=good)
+    source.step_count = 7
+    longer = Snapshot({"params": np.zeros(joiner.flat.array.size + 2, np.float32)}, {"round": 0})
+    lying = StateServer(bad, longer)
+    lied = threading.Event()
+
+    def lie() -> None:
+        if lying.serve(0.1):
+            lied.set()
+
+    with in_background(lie), in_background(lambda: lied.wait() and source.serve_state(0.1)):
+        stats = join_running_mesh(late, joiner, 20, lambda: False)  # type: ignore[arg-type]
+    assert stats is not None and "does not fit this model" in stats.dropped_sources["bad"]
+    np.testing.assert_array_equal(joiner.flat.array, source.flat.array)
+
+
+def test_a_requester_claiming_everything_settled_gets_a_bounded_number_of_state_copies() -> None:
+    """200 requests of a full window, each claiming all it was sent as settled: the source
+    sends at most STATE_COPIES times a window's bytes (the state is smaller)."""
+    network = MemoryNetwork()
+    source = _optimizer(network.join("source"))
+    asker = network.join("asker")
+    asker.send("source", REQUEST, 0, meta={"transfer": 7, "manifest": True})
+    source.serve_state()
+    server = source._state_server
+    for _ in range(200):
+        request = {**_chunks_request(transfer=7), "settled": server.chunks_sent}
+        asker.send("source", REQUEST, 0, meta=request)
+        source.serve_state()
+    assert server._bytes_sent["asker"] <= STATE_COPIES * MAX_WINDOW * 256  # (_chunks_request's size)
+    assert server.refused["beyond_state_copies"] > 0
 
 
 def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:

@@ -26,7 +26,8 @@ from p2p import AddressError, Message, Peer, Transport, TransportError
 from p2p.address import parse_endpoint
 from p2p.membership.protocol import BEACON_CONTACTS_PER_S
 from p2p.security.curve import NodeKeys, keygen
-from p2p.wire import encode, encode_chunks
+from p2p.transport.network_thread import INBOX_LARGEST_MESSAGES, INBOX_LARGEST_PER_SENDER
+from p2p.wire import Limits, encode, encode_chunks
 
 pytestmark = pytest.mark.mesh
 
@@ -281,18 +282,39 @@ def test_a_flood_of_one_sender_does_not_evict_another_senders_message() -> None:
 
 
 def test_the_daemons_inbox_rejects_kinds_nobody_reads() -> None:
-    """Item 8: the daemon's peer takes only the algorithms' and state transfer's kinds."""
+    """Item 8: the daemon's peer takes only its own algorithm's and state transfer's kinds: a
+    D-PSGD node refuses CHOCO's messages as it refuses junk."""
     config = NodeConfig(insecure=True, listen="tcp://127.0.0.1:0")
     peer = make_peer(config, torch.nn.Linear(2, 1), node_id="daemon")
     peer.start()
     try:
         with raw_dealer(b"junk", peer.address) as raw:
             for seq in range(1, 11):
-                raw.send_multipart(encode(kind="junk", sender="junk", round=0, seq=seq))
+                kind = "junk" if seq % 2 else "choco"
+                raw.send_multipart(encode(kind=kind, sender="junk", round=0, seq=seq))
             assert wait_until(lambda: peer.stats.messages_rejected == 10, 5)
         assert peer.stats.rejected == {"unknown_kind": 10}
     finally:
         peer.close()
+
+
+def test_the_inbox_holds_a_bounded_number_of_bytes_per_sender_and_in_all() -> None:
+    """Messages nobody takes, of the largest size the limits allow: one sender's queue holds
+    INBOX_LARGEST_PER_SENDER of them, all queues INBOX_LARGEST_MESSAGES (the heaviest loses)."""
+    largest = 1 << 16
+    limits = Limits(max_message_bytes=largest)
+    with started_transport("rx", inbox_kinds={"params"}, limits=limits) as receiver:
+        senders = [f"s{i}" for i in range(4)]
+        heard = receiver.stats.messages_received
+        with dealers(senders, receiver.address) as sockets:
+            body = [np.ones(largest // 4, np.float32)]
+            for sender, raw in zip(senders, sockets, strict=True):
+                for seq in range(1, 41):
+                    raw.send_multipart(encode(kind="params", sender=sender, round=0, seq=seq, tensors=body))
+            assert wait_until(lambda: receiver.stats.messages_received == heard + 160, 30)
+        held = min(INBOX_LARGEST_MESSAGES, 4 * INBOX_LARGEST_PER_SENDER)
+        assert receiver._inbox.nbytes == held * largest
+        assert receiver.stats.dropped["inbox_full"] == 160 - held
 
 
 def _first_chunks(receiver: Transport, senders: list[str], chunk_bytes: int) -> None:

@@ -106,6 +106,40 @@ def test_a_node_joins_through_a_peer_whose_handshakes_are_slow(
         assert joined, [(p.members(), dict(p.stats.dropped)) for p in peers]
 
 
+def test_a_trusted_key_check_that_raises_refuses_one_handshake_and_the_mesh_still_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first key checks raise OSError (EMFILE while the folder is listed): those handshakes
+    are refused and counted, the ZAP thread lives on, and the peers join on the next tries."""
+    allows = TrustedKeys.allows
+    failures = iter(range(3))
+
+    def flaky(self: TrustedKeys, key: bytes) -> bool:
+        if next(failures, None) is not None:
+            raise OSError(24, "Too many open files")
+        return allows(self, key)
+
+    monkeypatch.setattr(TrustedKeys, "allows", flaky)
+    trusted = make_keys(tmp_path, "a", "b")
+    with curve_peers(tmp_path, ["a", "b"], trusted) as peers:
+        assert wait_until(lambda: all(p.members() == {"a", "b"} for p in peers), 30)
+        authenticators = [p.transport._authenticator for p in peers]
+        assert sum(a._provider.errors for a in authenticators if a is not None) == 3
+        assert all(p.transport.failure is None for p in peers)
+
+
+def test_a_dead_authenticator_fails_the_transport(tmp_path: Path) -> None:
+    """Should the ZAP thread stop, no peer could connect again: the transport fails as if its
+    network thread had died (so ``/healthz`` answers 503 and the daemon exits)."""
+    trusted = make_keys(tmp_path, "a")
+    with curve_peers(tmp_path, ["a"], trusted) as (a,):
+        authenticator = a.transport._authenticator
+        assert authenticator is not None
+        authenticator._thread.stop()
+        assert a.transport.stopped.wait(30)
+        assert a.transport.failure is not None and a.transport.failure.startswith("SecurityError")
+
+
 def test_an_untrusted_peer_gets_no_frame_through_until_its_key_is_trusted(tmp_path: Path) -> None:
     trusted = make_keys(tmp_path, "a")
     public, _ = keygen(tmp_path / "keys" / "b", "b")

@@ -56,7 +56,9 @@ from topologies import MixingRow
 if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
     from typing import Unpack
 
-MAX_PENDING = 64  # q's kept for a replica waiting for its full copy; beyond that, ask again
+# q's kept for a replica waiting for its full copy (beyond that, ask again), and how many rounds
+# ahead of this node a q may be: a neighbour holds at most MAX_PENDING + 1 of them here
+MAX_PENDING = 64
 
 
 QUALITY_MEMORY = 0.9  # weight of the past rounds in the running compression quality
@@ -272,6 +274,9 @@ class CHOCO(Averager):
         replica = self._replicas.setdefault(sender, _Replica())
         if message.round < replica.next_round:
             return  # already in the full copy this replica started from
+        if message.round > self.round + MAX_PENDING:
+            self.dropped["choco_ahead"] += 1  # it would wait for rounds this node is far from
+            return
         replica.pending[message.round] = (q, gamma)
         self._catch_up(replica, self.round)
         if replica.value is None or replica.has_gap:

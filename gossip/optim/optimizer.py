@@ -34,7 +34,7 @@ from gossip.optim.quasi_global import QuasiGlobalMomentum
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.state.fetch import TransferStats, fetch_state
 from gossip.state.live import LiveState
-from gossip.state.manifest import Snapshot, StateTransferError
+from gossip.state.manifest import Layout, Snapshot, check_fit
 from gossip.state.server import StateServer
 from gossip.tuning.agreement import AgreeingPeer
 from gossip.tuning.auto_codec import CodecAgreement
@@ -503,22 +503,7 @@ class GossipOptimizer(torch.optim.Optimizer):
     def restore(self, snapshot: Snapshot) -> None:
         """Load a snapshot from another node (validated against this model first)."""
         reference = self.flat.model_array  # (its "params": the parameters, then the buffers)
-        if "params" not in snapshot.tensors:
-            raise StateTransferError("the snapshot has no parameters")
-        for name, array in snapshot.tensors.items():
-            if name.startswith("scalar."):
-                expected = np.empty(len(self._params), np.float64)  # one value a parameter
-            elif name == "params":
-                expected = reference
-            elif name.startswith("optimizer."):
-                expected = self.flat.param_array
-            else:
-                raise StateTransferError(f"unknown snapshot tensor {name!r}")
-            if array.shape != expected.shape or array.dtype != expected.dtype:
-                raise StateTransferError(
-                    f"snapshot {name} is {array.dtype}{list(array.shape)}; this model needs "
-                    f"{expected.dtype}{list(expected.shape)}"
-                )
+        self._check_fit((name, array.dtype, array.shape) for name, array in snapshot.tensors.items())
         with self._lock:
             self.flat.copy_to_host()  # (waits for an upload still reading the host copy)
             np.copyto(reference, snapshot.tensors["params"])
@@ -577,6 +562,7 @@ class GossipOptimizer(torch.optim.Optimizer):
             max_bytes=max_bytes,
             patience_s=patience_s,
             cancelled=cancelled,
+            fits=lambda manifest: self._check_fit((e.name, e.dtype, e.shape) for e in manifest.entries),
         )
         if saved_step_count(snapshot.counters) > self.step_count:
             self.restore(snapshot)
@@ -588,6 +574,10 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._rounds_at_start = first_round
         self.peer.start_at_round(first_round)
         return first_round
+
+    def _check_fit(self, layout: Layout) -> None:
+        """Raise StateTransferError unless a state of ``layout`` fits this model."""
+        check_fit(layout, self.flat.model_array, self.flat.param_array, len(self._params))
 
     def _load_optimizer_scalar(self, key: str, values: np.ndarray) -> None:
         """One value a parameter (Adam's step count), as torch's optimizers keep it: a 0-d

@@ -97,10 +97,13 @@ def fetch_state(
     retry_s: float = RETRY_S,
     patience_s: float = math.inf,
     cancelled: Callable[[], bool] = lambda: False,
+    fits: Callable[[Manifest], None] = lambda manifest: None,
 ) -> tuple[Snapshot, TransferStats]:
     """The state of ``sources`` (see the module docstring) and how the transfer went. Raises
     StateTransferError naming each source and why it gave nothing usable, also when
-    ``cancelled()`` turns true (asked every ``POLL_S``)."""
+    ``cancelled()`` turns true (asked every ``POLL_S``). ``fits`` raises StateTransferError
+    for a manifest that does not fit the joiner's model: its source is left out before any
+    source's layout is taken as the reference."""
     if not sources:
         raise StateTransferError("no source to take the state from")
     if not 1 <= window <= MAX_WINDOW:
@@ -112,7 +115,8 @@ def fetch_state(
             f"chunk_bytes must be a multiple of {ALIGN} in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, "
             f"got {chunk_bytes}"
         )
-    return _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s).run(timeout, cancelled)
+    fetch = _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s, fits)
+    return fetch.run(timeout, cancelled)
 
 
 class _Fetch:
@@ -125,9 +129,10 @@ class _Fetch:
         window: int,
         retry_s: float,
         patience_s: float,
+        fits: Callable[[Manifest], None],
     ) -> None:
         self.peer, self.max_bytes, self.chunk_bytes, self.window = peer, max_bytes, chunk_bytes, window
-        self.retry_s, self.patience_s = retry_s, patience_s
+        self.retry_s, self.patience_s, self.fits = retry_s, patience_s, fits
         self.transfer = secrets.randbits(62)
         now = time.monotonic()
         self.lanes = {source: _Lane(source, now, now, now) for source in dict.fromkeys(sources)}
@@ -225,6 +230,10 @@ class _Fetch:
 
     def _take_manifest(self, lane: _Lane, payload: StateManifest) -> None:
         manifest = Manifest.parse(payload, self.max_bytes)  # (a source may send it again)
+        try:
+            self.fits(manifest)
+        except StateTransferError as exc:
+            raise ValueError(f"its state does not fit this model: {exc}") from None
         if self.assembly is None:
             self.assembly = Assembly(manifest, self.chunk_bytes)
             self.reference = lane.source

@@ -35,7 +35,7 @@ chunk is pinned on the source that sent it; nothing touches the model before the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -233,6 +233,32 @@ class Assembly:
     def snapshot(self) -> Snapshot:
         """The whole state (every chunk was checked as it came)."""
         return Snapshot(split(self.manifest.entries, self.buffer), self.manifest.counters)
+
+
+Layout = Iterable[tuple[str, np.dtype, tuple[int, ...]]]  # name, dtype and shape of each array
+
+
+def check_fit(layout: Layout, values: np.ndarray, params: np.ndarray, tensors: int) -> None:
+    """Raise StateTransferError unless a state of ``layout`` (name, dtype, shape of each array)
+    fits a model whose flat values (parameters, then averaged buffers) are ``values``, of which
+    the parameters are ``params``, made of ``tensors`` tensors: "params" like ``values``,
+    optimizer buffers like ``params``, a float64 scalar per tensor (Adam's step count)."""
+    names = set()
+    for name, dtype, shape in layout:
+        names.add(name)
+        if name.startswith("scalar."):
+            expected_dtype, expected_shape = np.dtype(np.float64), (tensors,)  # one value a parameter
+        elif name == "params":
+            expected_dtype, expected_shape = values.dtype, values.shape
+        elif name.startswith("optimizer."):
+            expected_dtype, expected_shape = params.dtype, params.shape
+        else:
+            raise StateTransferError(f"unknown snapshot tensor {name!r}")
+        if tuple(shape) != expected_shape or dtype != expected_dtype:
+            needs = f"{expected_dtype}{list(expected_shape)}"
+            raise StateTransferError(f"snapshot {name} is {dtype}{list(shape)}; this model needs {needs}")
+    if "params" not in names:
+        raise StateTransferError("the snapshot has no parameters")
 
 
 def shown(value: Any, limit: int = 80) -> str:

@@ -13,6 +13,10 @@ settled, chunks of ``MIN_CHUNK_BYTES`` to ``MAX_CHUNK_BYTES``, only after a mani
 request without one is answered with the manifest); ``refused`` counts what it let go. A
 requester that claims more settled than it received makes its source read sooner, not hold
 more: what the source sends waits in the transport's bounded queues (``p2p.transport.outbound``).
+Whatever it claims, a member gets at most ``STATE_COPIES`` times the state's bytes (or of a
+window of chunks, if larger) from this source while it stays a member, over all its transfers:
+enough for a joiner that tries again,
+never the endless stream a requester claiming "all settled" would get otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ MAX_TRANSFERS = 4  # requesters served at once
 RETRY_S = 3.0  # a requester silent this long no longer counts as being served
 IDLE_S = 2.0  # the serving thread ends after this long without a request
 POLL_S = 0.25
+STATE_COPIES = 4  # a member's share of this source's reads: this many times the state
 
 
 @dataclass
@@ -60,6 +65,7 @@ class StateServer:
         self._peer = peer
         self._view = view
         self._transfers: dict[str, _Transfer] = {}  # requester -> its transfer
+        self._bytes_sent: Counter[str] = Counter()  # member -> bytes sent it, all its transfers
         self._lock = threading.Lock()  # the training loop and the serving thread
         self._thread: Background | None = None
         self._serving = False
@@ -130,6 +136,7 @@ class StateServer:
             assert ask.chunk_bytes is not None and ask.chunks is not None and ask.settled is not None
             chunk_bytes, chunks = ask.chunk_bytes, ask.chunks
             credit = MAX_WINDOW - (transfer.sent - min(ask.settled, transfer.sent))
+            allowance = STATE_COPIES * max(total, MAX_WINDOW * chunk_bytes)
             if len(chunks) > credit:
                 self.refused["beyond_window"] += 1
                 chunks = chunks[: max(credit, 0)]
@@ -138,7 +145,12 @@ class StateServer:
                 if not 0 <= start < max(total, 1):
                     self.refused["bad_chunk"] += 1
                     continue
-                piece = self._view.read(start, min(start + chunk_bytes, total))
+                stop = min(start + chunk_bytes, total)
+                if self._bytes_sent[requester] + stop - start > allowance:
+                    self.refused["beyond_state_copies"] += 1
+                    break
+                self._bytes_sent[requester] += stop - start
+                piece = self._view.read(start, stop)
                 self._peer.send(requester, STATE_CHUNK, 0, [piece], StateChunk(transfer.id, index).encode())
                 transfer.sent += 1
                 self.chunks_sent += 1
@@ -150,6 +162,8 @@ class StateServer:
         members = self._peer.members()
         for gone in [r for r in self._transfers if r not in members]:
             del self._transfers[gone]
+        for gone in [r for r in self._bytes_sent if r not in members]:
+            del self._bytes_sent[gone]
         if ask is None or not _well_formed(ask):
             return "malformed"
         if requester not in members:

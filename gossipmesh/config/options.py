@@ -309,8 +309,8 @@ CLOCK_ORIGIN = Option(number(float), "wall-clock time (epoch s) the report's t c
 METRICS_PORT = Option(_PORT, "serve /metrics (Prometheus), /healthz and /readyz on this port (default: off)")
 METRICS_HOST = Option(
     str,
-    "address the --metrics-port endpoint listens on (127.0.0.1: this host only)",
-    "0.0.0.0",
+    "address the --metrics-port endpoint listens on (0.0.0.0: every interface; the image sets it)",
+    "127.0.0.1",
     metavar="HOST",
 )
 LOG_FORMAT = Option(

@@ -132,7 +132,7 @@ def join_running_mesh(
 ) -> TransferStats | None:
     """Take the state of members that train (ones that have announced their first round: a
     member still starting has no state to give), up to ``STATE_SOURCES`` at once, chosen in an
-    order of this node's own so that joiners spread over the mesh; silent sources and bad
+    random order of this node's own so that joiners spread over the mesh; silent sources and bad
     states are left for the others. None when no member trains (the members present start from
     round 0 together) or when ``cancelled()``; raises StateTransferError when none gave its
     state within ``timeout``."""
@@ -145,7 +145,7 @@ def join_running_mesh(
         sources = member_order(peer.members(NOT_YET - 1) - {me} - (hidden if me in hidden else set()))
         if not sources:
             return None
-        random.Random(me).shuffle(sources)
+        random.shuffle(sources)  # (a fresh order each try: no source is always asked first)
         sources.sort(key=lambda source: source in left_out)  # (stable: the others keep their order)
         try:
             optimizer.join_from(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gossip.algorithms.registry import FAMILIES
+from gossip.algorithms.registry import FAMILIES, Algorithm
 from gossip.buffers.flat import host_vector_bytes
 from gossip.messages import STATE_REQUEST
 from gossip.optim.local_group import LocalGroup
@@ -29,10 +29,12 @@ from p2p.wire import Limits
 log = logging.getLogger(NODE_LOGGER)
 
 
-def message_kinds() -> frozenset[str]:
-    """What a daemon's inbox takes: every registered algorithm's kinds and state transfer's
-    (others are rejected)."""
-    algorithms = {kind for family in FAMILIES.values() for kind in family.averager.kinds}
+def message_kinds(algorithm: Algorithm | None = None) -> frozenset[str]:
+    """What a daemon's inbox takes: its ``algorithm``'s kinds (every registered algorithm's if
+    None) and state transfer's. Others are rejected at the door: a kind nobody reads would wait
+    in the inbox for good."""
+    families = FAMILIES.values() if algorithm is None else [algorithm.family]
+    algorithms = {kind for family in families for kind in family.averager.kinds}
     return frozenset({*algorithms, STATE_REQUEST, *state.JOINER_KINDS})
 
 
@@ -53,7 +55,7 @@ def make_peer(
         None if config.no_listen else config.listen,
         config.bootstrap,
         advertise=config.advertise,
-        inbox_kinds=message_kinds(),
+        inbox_kinds=message_kinds(config.algorithm),
         limits=_limits(model),
         profile=PROFILES[config.profile],
         clock=clock,

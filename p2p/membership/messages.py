@@ -2,9 +2,10 @@
 
 Every membership message carries ``updates`` (member records: the sender's own first, then news
 it piggybacks; ``Member.from_wire`` checks each) and ``reply_to`` (the address answers go to).
-A probe's messages add ``probe`` (the probe's id), and a request to ping another member its
-``target`` address. :meth:`News.decode` checks that each field the kind needs is there with
-its type; a message that fails is rejected whole.
+A probe's messages add ``probe`` (the probe's id); a ping and a request to ping another member
+add ``target``, the id of the member to answer (a node answers pings for its own id only).
+:meth:`News.decode` checks that each field the kind needs is there with its type; a message
+that fails is rejected whole.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROUTE = "route"  # from a member that does not listen: a fresh route back to it
 
 #: the fields each kind needs beside ``updates`` and ``reply_to``
 NEEDS: dict[str, tuple[str, ...]] = {
-    PING: ("probe",),
+    PING: ("probe", "target"),
     ACK: ("probe",),
     PING_REQ: ("probe", "target"),
     GOSSIP: (),

@@ -198,6 +198,7 @@ class Membership:
         self._broadcasts: dict[str, tuple[Member, int]] = {}  # member id -> news, transmissions left
         self._eligible_at: dict[str, float] = {}  # new members are probed once their connection is up
         self._hurried: dict[str, float] = {}  # member -> until when it cannot be hurried again
+        self._found_dead: dict[str, int] = {}  # member id -> the life this node's own probes found dead
         self._started = False
         self._outbox = Outbox(transport)
         self._new_members = KeyedLimiter(NEW_MEMBERS_PER_S, NEW_MEMBERS_BURST)
@@ -291,7 +292,10 @@ class Membership:
             return
         self._merge(message, news.updates, peer)
         if message.kind == PING:
-            self._reply(message, news, ACK, News(self._piggyback(), probe=news.probe), peer)
+            if news.target != self._me.id:  # only a node itself says it is alive
+                self._transport.stats.drop("ping_not_for_me")
+            else:
+                self._reply(message, news, ACK, News(self._piggyback(), probe=news.probe), peer)
         elif message.kind == ACK:
             assert news.probe is not None
             self._on_ack(news.probe)
@@ -346,6 +350,7 @@ class Membership:
     def _start(self, now: float) -> None:
         self._started = True
         self._me = replace(self._me, address=self._transport.address)
+        self._table.own(self._me)
         if not self._contacts.names and self._solo:
             self.joined.set()  # a mesh of one, until someone joins it
         self._publish()
@@ -358,11 +363,14 @@ class Membership:
     def _reconnect(self) -> None:
         """Swap tables with a member held dead, over a fresh connection (the old one may be
         stuck behind what was queued while the network was split); one that does not listen
-        reconnects itself."""
+        reconnects itself. Only a death this node's own probes found closes a connection: news
+        of one from others (true or forged) does not cut a link that works."""
         dead = [m for m in self._table.members.values() if m.status == Status.DEAD and m.reachable]
         if dead:
             member = self._rng.choice(dead)
-            self._transport.disconnect(member.address)
+            found = self._found_dead.get(member.id) == member.session
+            if found and self._table.holder(member.address) is None:
+                self._transport.disconnect(member.address)
             self._send_table(member.address, SYNC, key=member.key or None, member=False)
 
     # -- probing ------------------------------------------------------------------------------
@@ -378,7 +386,7 @@ class Membership:
             direct_deadline=now + self.profile.probe_timeout_s,
             final_deadline=now + self.profile.probe_interval_s / 2,
         )
-        self._send_to(target, PING, News(self._piggyback(), probe=probe_id))
+        self._send_to(target, PING, News(self._piggyback(), probe=probe_id, target=target.id))
 
     def _can_reach(self, member: Member) -> bool:
         """Whether this node can send to ``member``: one that does not listen (see the module
@@ -444,7 +452,7 @@ class Membership:
                 if m.id != probe.target and (m.reachable or target.reachable)
             ]
             for helper in self._rng.sample(helpers, min(self.profile.indirect_probes, len(helpers))):
-                self._send_to(helper, PING_REQ, News([], probe=probe.probe_id, target=target.address))
+                self._send_to(helper, PING_REQ, News([], probe=probe.probe_id, target=target.id))
         elif now >= probe.final_deadline:
             self._probe = None
             if target.status == Status.ALIVE:
@@ -458,10 +466,12 @@ class Membership:
             self._send(requester, ACK, News([], probe=their_probe), key=key, member=False)
 
     def _on_ping_request(self, message: Message, news: News, peer: str) -> None:
-        """Ping a member for another one; only a live member, and only so many at once."""
+        """Ping a member (named by its id) for another one; only a live member, and only so many
+        at once."""
         their_probe = news.probe
         assert their_probe is not None
-        target = next((m for m in self._table.live() if m.address == news.target), None)
+        target = self._table.members.get(str(news.target))
+        target = target if target is not None and target.status.live else None
         requester = self._reply_address(message, news, peer)
         if requester is None:  # (rejected: no address to answer)
             return
@@ -476,7 +486,7 @@ class Membership:
         probe_id = next(self._probe_ids)
         expiry = time.monotonic() + self.profile.probe_interval_s
         self._forwards[probe_id] = (requester, key, their_probe, expiry)
-        self._send_to(target, PING, News(self._piggyback(), probe=probe_id))
+        self._send_to(target, PING, News(self._piggyback(), probe=probe_id, target=target.id))
 
     def _declare_dead(self, now: float) -> None:
         for node_id, deadline in list(self._suspicions.items()):
@@ -485,6 +495,7 @@ class Membership:
                 del self._suspicions[node_id]
             elif now >= deadline:
                 del self._suspicions[node_id]
+                self._found_dead[member.id] = member.session
                 self._note(replace(member, status=Status.DEAD), now)
 
     # -- news ---------------------------------------------------------------------------------
@@ -600,6 +611,7 @@ class Membership:
             del self._hurried[node_id]
         for member in self._table.forget_ended(now, self.profile.tombstone_s):
             self._eligible_at.pop(member.id, None)
+            self._found_dead.pop(member.id, None)
             if member.address not in {m.address for m in self._table.live()}:
                 self._transport.disconnect(member.address)
             self._publish()

@@ -13,6 +13,10 @@ the node itself can), cannot replace a live member's life with another, and cann
 member's incarnation by more than one; no news may change the address or key of a life. So a
 member, even a trusted one, cannot take over or evict another by what it gossips: whatever it
 says second-hand the subject refutes (``refuted``), and its first-hand news is only about itself.
+An address and a CURVE key belong to one live id at a time: news of another id at a live
+member's address, or with its key, is a conflict unless that member itself says it (first-hand,
+with the key it holds; a node restarted under a new id), so nobody can add phantoms that a live
+member's process answers for.
 """
 
 from __future__ import annotations
@@ -139,6 +143,15 @@ class MemberTable:
     def __init__(self) -> None:
         self.members: dict[str, Member] = {}
         self._ended: dict[tuple[str, int], float] = {}  # (id, session) of dead or left lives -> when
+        self._holders: dict[str, Member] = {}  # claim (address or key) -> the live life holding it
+        self._own: frozenset[str] = frozenset()  # this node's addresses: nobody else's, ever
+        self._shared_key = ""  # this node's key: a mesh with one key pair shares it, so no claim
+
+    def own(self, me: Member) -> None:
+        """Reserve this node's address and ranks' addresses (its key is not a claim: a mesh that
+        uses one key pair for every node shares it)."""
+        self._shared_key = me.key
+        self._own = frozenset(self._claims(me))
 
     def apply(self, news: Member, now: float, *, first_hand: bool = True) -> Change | None:
         """Merge one piece of news (``first_hand``: from the member itself, or this node's own
@@ -151,6 +164,8 @@ class MemberTable:
             raise ConflictError(
                 f"{news.id} is at {current.address}, not {news.address}, or has other keys or ranks"
             )
+        if news.status.live:
+            self._check_claims(news, first_hand)
         if not first_hand and not _believable(news, current):
             return None
         if current is not None and current.session != news.session:
@@ -163,11 +178,11 @@ class MemberTable:
             if not news.status.live:
                 self._end(news, now)
                 return None
-            self.members[news.id] = news
+            self._put(news)
             return Change(news, "joined")
         if not _supersedes(news, current):
             return None
-        self.members[news.id] = news
+        self._put(news)
         if not news.status.live:
             self._end(news, now)
         if news.status == current.status:
@@ -187,6 +202,38 @@ class MemberTable:
         for member in gone:
             del self.members[member.id]
         return gone
+
+    def holder(self, address: str) -> Member | None:
+        """The live member at ``address``, if any."""
+        return self._holders.get(address)
+
+    def _check_claims(self, news: Member, first_hand: bool) -> None:
+        """Raise ConflictError if another live id holds ``news``' address or key, unless that
+        holder itself says it (first-hand news under the holder's own key)."""
+        for claim in self._claims(news):
+            if claim in self._own:
+                raise ConflictError(f"{news.id} claims {claim}, which is this node's")
+            holder = self._holders.get(claim)
+            if holder is None or holder.id == news.id or (first_hand and holder.key == news.key):
+                continue
+            raise ConflictError(f"{news.id} claims {claim}, which live member {holder.id} holds")
+
+    def _put(self, member: Member) -> None:
+        """Store ``member`` and move the claims of its id to its new record (none once it ends)."""
+        old = self.members.get(member.id)
+        if old is not None:
+            for claim in self._claims(old):
+                if self._holders.get(claim) is old:
+                    del self._holders[claim]
+        self.members[member.id] = member
+        if member.status.live:
+            for claim in self._claims(member):
+                self._holders[claim] = member
+
+    def _claims(self, member: Member) -> list[str]:
+        """What only one live id may hold: its addresses, and its key unless it is shared."""
+        key = [f"key {member.key}"] if member.key and member.key != self._shared_key else []
+        return [member.address, *member.ranks, *key]
 
     def _end(self, member: Member, now: float) -> None:
         self._ended.setdefault((member.id, member.session), now)

@@ -163,10 +163,18 @@ class _TrustedProvider:
     def __init__(self, trusted: TrustedKeys) -> None:
         self.trusted = trusted
         self.refused = 0
+        self.errors = 0  # handshakes refused because the check itself failed
         self._log = QuietLog(log)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        allowed = self.trusted.allows(key)
+        """Whether ``key`` is trusted. Its own error scope: a failing check (e.g. EMFILE while
+        the folder is listed) refuses this handshake, and the ZAP thread lives on."""
+        try:
+            allowed = self.trusted.allows(key)
+        except Exception as exc:
+            self.errors += 1
+            self._log.warning("check", "could not check a key (%d times): %r", self.errors, exc)
+            return False
         if not allowed:
             self.refused += 1
             shown = key.decode(errors="replace")
@@ -189,6 +197,11 @@ class Authenticator:
     def refused(self) -> int:
         """Handshakes refused for an untrusted key."""
         return self._provider.refused
+
+    def check(self) -> None:
+        """Raise SecurityError if the ZAP thread has stopped (no peer could connect again)."""
+        if not self._thread.is_alive():
+            raise SecurityError("CURVE authenticator stopped; restart the node")
 
     def stop(self) -> None:
         self._thread.stop()

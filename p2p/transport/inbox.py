@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -16,37 +17,55 @@ class Inbox:
 
     A reader takes the oldest message of the kinds it asks for and leaves the others for their
     own readers; :meth:`notify` makes every blocked reader return None (the membership changed:
-    re-read it). Each (kind, sender) has its own queue of at most ``per_sender`` messages, and
-    all of them together hold at most ``maxlen``: a sender that floods loses its own oldest
-    messages (or, when the inbox is full, the sender with the longest queue does), never the
-    one message another sender has waiting. :meth:`put` says when a message had to go.
+    re-read it). Each (kind, sender) has its own queue of at most ``per_sender`` messages and
+    ``per_sender_bytes`` tensor bytes, and all of them together hold at most ``maxlen``
+    messages and ``max_bytes``: a sender that floods loses its own oldest messages (or, when
+    the inbox is full, the sender with the most bytes waiting does), never the one message
+    another sender has waiting. :meth:`put` says when a message had to go.
     """
 
-    def __init__(self, maxlen: int = 4096, per_sender: int | None = None) -> None:
+    def __init__(
+        self,
+        maxlen: int = 4096,
+        per_sender: int | None = None,
+        *,
+        max_bytes: int | None = None,
+        per_sender_bytes: int | None = None,
+    ) -> None:
         self._maxlen = maxlen
         self._per_sender = per_sender or maxlen
+        self._max_bytes = max_bytes or sys.maxsize
+        self._per_sender_bytes = per_sender_bytes or self._max_bytes
         self._queues: dict[tuple[str, str], deque[tuple[int, Message]]] = {}
+        self._bytes: dict[tuple[str, str], int] = {}  # tensor bytes waiting per queue
         self._count = 0
+        self._total_bytes = 0
         self._order = itertools.count()
         self._ready = threading.Condition()
         self._wakeups = 0
 
     def put(self, message: Message) -> bool:
         """Add a message; False when an older one had to be dropped to make room."""
+        size = _size(message)
+        key = (message.kind, message.sender)
+        dropped = False
         with self._ready:
-            key = (message.kind, message.sender)
-            queue = self._queues.setdefault(key, deque())
-            full = len(queue) >= self._per_sender or self._count >= self._maxlen
-            if full:
-                victim = key if len(queue) >= self._per_sender else max(self._queues, key=self._length)
-                self._queues[victim].popleft()
-                self._count -= 1
-                if victim != key and not self._queues[victim]:
-                    del self._queues[victim]
-            queue.append((next(self._order), message))
+            while self._queues.get(key) and (
+                len(self._queues[key]) >= self._per_sender or self._bytes[key] + size > self._per_sender_bytes
+            ):
+                self._pop(key)
+                dropped = True
+            while self._queues and (
+                self._count >= self._maxlen or self._total_bytes + size > self._max_bytes
+            ):
+                self._pop(max(self._queues, key=self._weight))
+                dropped = True
+            self._queues.setdefault(key, deque()).append((next(self._order), message))
+            self._bytes[key] = self._bytes.get(key, 0) + size
             self._count += 1
+            self._total_bytes += size
             self._ready.notify_all()
-        return not full
+        return not dropped
 
     def get(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         """The oldest message of ``kinds`` (any kind if None), or None after ``timeout`` s or a
@@ -61,13 +80,7 @@ class Inbox:
                     if queue and (kinds is None or key[0] in kinds)
                 ]
                 if heads:
-                    _, key = min(heads)
-                    queue = self._queues[key]
-                    _, message = queue.popleft()
-                    self._count -= 1
-                    if not queue:
-                        del self._queues[key]
-                    return message
+                    return self._pop(min(heads)[1])
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._wakeups != wakeups:
                     return None
@@ -81,5 +94,27 @@ class Inbox:
     def __len__(self) -> int:
         return self._count
 
-    def _length(self, key: tuple[str, str]) -> int:
-        return len(self._queues[key])
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes waiting, all queues together."""
+        return self._total_bytes
+
+    def _pop(self, key: tuple[str, str]) -> Message:
+        """Take the oldest message of queue ``key`` (which holds one), forgetting an emptied queue."""
+        queue = self._queues[key]
+        _, message = queue.popleft()
+        size = _size(message)
+        self._count -= 1
+        self._total_bytes -= size
+        self._bytes[key] -= size
+        if not queue:
+            del self._queues[key], self._bytes[key]
+        return message
+
+    def _weight(self, key: tuple[str, str]) -> tuple[int, int]:
+        """Which queue loses first when the inbox is full: the most bytes, then the longest."""
+        return self._bytes[key], len(self._queues[key])
+
+
+def _size(message: Message) -> int:
+    return sum(int(tensor.nbytes) for tensor in message.tensors)

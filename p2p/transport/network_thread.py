@@ -87,6 +87,10 @@ from p2p.wire import (
 log = logging.getLogger(__name__)
 
 _DRAIN_BATCH = 256
+# the inbox's bounds in bytes, in messages of the largest size ``limits`` allows: all queues
+# together, and one sender's queue of one kind (a state source's window of chunks fits)
+INBOX_LARGEST_MESSAGES = 32
+INBOX_LARGEST_PER_SENDER = 16
 _HEADER_ALLOWANCE = 1 << 16
 _HOUSEKEEPING_S = 1.0
 _FLUSH_MS = 10
@@ -128,6 +132,8 @@ class Transport:
         send_queue: messages queued per peer before sends to it are dropped (ZMQ_SNDHWM).
         inbox_size: received messages held for the application before the oldest is dropped.
         inbox_per_sender: of those, how many one sender may have waiting of one kind.
+            In bytes, the inbox holds at most ``INBOX_LARGEST_MESSAGES`` and one sender's
+            queue of one kind ``INBOX_LARGEST_PER_SENDER`` messages of ``limits``' largest size.
         linger_s: how long :meth:`close` lets queued messages drain.
         curve: this node's keys and the trusted keys; None runs without CURVE (insecure).
         chunk_bytes: payloads larger than this go as a stream of chunks of this size.
@@ -186,7 +192,12 @@ class Transport:
         self._services: dict[str, Service] = {}
         self._service_list: list[Service] = []
         self._readers: dict[int, Callable[[], None]] = {}
-        self._inbox = Inbox(inbox_size, inbox_per_sender)
+        self._inbox = Inbox(
+            inbox_size,
+            inbox_per_sender,
+            max_bytes=INBOX_LARGEST_MESSAGES * limits.max_message_bytes,
+            per_sender_bytes=INBOX_LARGEST_PER_SENDER * limits.max_message_bytes,
+        )
         self._commands: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -451,6 +462,8 @@ class Transport:
         if now >= self._next_tick:
             self._tick_services(now)
         if now >= self._next_housekeeping:
+            if self._authenticator is not None:
+                self._authenticator.check()  # supervised: its death is this thread's failure
             self.connections.expire(now)
             self._assembler.expire(now)
             self._next_housekeeping = now + _HOUSEKEEPING_S
