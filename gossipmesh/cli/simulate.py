@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import torch
-
-from gossip import GossipOptimizer
 from gossipmesh.config import SimulateConfig
 from gossipmesh.sim.allreduce import RingAllreduce, ring_allreduce
 from gossipmesh.sim.links import Link, VirtualPeer
 from gossipmesh.sim.run import RoundPoint, SimResult, simulate, start_vectors
 from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, split_in_halves
-from gossipmesh.sim.training import averaging_through, model_nbytes, training
+
+if TYPE_CHECKING:
+    import torch
+
+    from gossip import GossipOptimizer
 
 TABLE_ROWS = 20  # rounds shown in the table (evenly spaced, the last one always)
 DEFAULT_MODEL_BYTES = 100_000_000  # about ResNet-50 in float32
@@ -78,6 +79,8 @@ def _warn_after_the_end(scenario: Scenario, end_s: float) -> None:
 
 def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
     """Every node's optimizer made as a daemon makes its own (``Averaging.gossip_optimizer``)."""
+    # (torch: imported once a simulation runs, not for --help, which shows this module's doc)
+    from gossipmesh.sim.training import averaging_through, model_nbytes, training
 
     def optimizer(model: torch.nn.Module, peer: VirtualPeer) -> GossipOptimizer:
         return config.gossip_optimizer(config.local_optimizer(model), peer)

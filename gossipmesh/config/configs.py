@@ -13,11 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
-
-from gossip import Algorithm, Codec, GossipOptimizer, IncompatibleOptionsError, PeerNetwork, RobustRule
+from gossip import Algorithm, Codec, IncompatibleOptionsError, PeerNetwork, RobustRule
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -25,6 +23,11 @@ from gossipmesh.sim.links import Partition
 from gossipmesh.sim.scenario import Stragglers
 from gossipmesh.tasks import DataPartition, Precision, TaskRef
 from topologies import Topology, TopologyError
+
+if TYPE_CHECKING:  # (configs are read and checked before a command knows it trains: no torch here)
+    import torch
+
+    from gossip import GossipOptimizer
 
 #: GossipOptimizer's arguments that a command line spells otherwise (the rest: ``--name``)
 _FLAG_OF_ARGUMENT = {"outer_lr": "--local-steps", "local_group": "--local-ranks"}
@@ -66,6 +69,8 @@ class LocalSGD(Options):
 
     def local_optimizer(self, model: torch.nn.Module) -> torch.optim.SGD:
         """SGD with ``lr`` scaled to the batch size, so a step takes the same step per example."""
+        import torch
+
         lr = self.lr * self.batch_size / self.reference_batch
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=self.momentum)
 
@@ -130,6 +135,8 @@ class Averaging(Options):
     ) -> GossipOptimizer:
         """``optimizer`` wrapped to average as these options say (``options``: the rest of
         GossipOptimizer's arguments, e.g. ``lock``)."""
+        from gossip import GossipOptimizer
+
         return GossipOptimizer(
             optimizer,
             peer=peer,
