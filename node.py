@@ -89,9 +89,12 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     started = time.monotonic()
     try:
         peer.start()  # (a network thread that dies while it starts still leaves a report)
-        say(
-            config.progress, f"{node_id} listening on {peer.address}", event="listening", address=peer.address
+        where = (  # (a --no-listen node's address names its inbound route, not a port)
+            f"dialing out only (--no-listen), through {', '.join(config.bootstrap)}"
+            if config.no_listen
+            else f"listening on {peer.address}"
         )
+        say(config.progress, f"{node_id} {where}", event="listening", address=peer.address)
         if config.metrics_port is not None:
             status = StatusServer(metrics, config.metrics_port, config.metrics_host)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)

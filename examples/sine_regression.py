@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with gossipmesh.Session(config, model, local) as node:  # joined (or took the mesh's state)
         optimizer, rank = node.optimizer, node.rank
         shard = task.shard(rank, len(node.members), partition=config.partition, seed=config.seed)
-        steps = config.step_budget or math.inf
+        steps = config.steps or math.inf
         for step, (inputs, targets) in enumerate(Batches(shard, config.batch_size, seed=config.seed + rank)):
             if step == steps:
                 break

@@ -84,3 +84,48 @@ def test_the_topology_default_model_size_is_the_digits_model() -> None:
 
     model = load_task("digits").model(0)
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == DIGITS_MODEL_BYTES
+
+
+def test_keygen_without_a_name_refuses_to_overwrite_and_asks_for_one(tmp_path: Path) -> None:
+    result, done = _run("keygen", str(tmp_path))
+    assert result["code"] == 0, done.stderr
+    (public,) = tmp_path.glob("*.key")
+    before = public.read_bytes()
+    result, done = _run("keygen", str(tmp_path))
+    assert result["code"] == 1 and result["heavy"] == []
+    assert f"{public} exists" in done.stderr and "pass --name NAME" in done.stderr
+    assert public.read_bytes() == before
+
+
+def test_an_unknown_environment_variable_names_the_closest_option() -> None:
+    from gossipmesh.cli import parse_config
+    from gossipmesh.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"GOSSIPMESH_STPES: no such option \(did you mean GOSSIPMESH_STEPS\?\)"
+    ):
+        parse_config(["node", "--insecure"], {"GOSSIPMESH_STPES": "5"})
+    # another command's option passes: a mesh's nodes inherit the mesh's environment
+    parse_config(["node", "--insecure"], {"GOSSIPMESH_NODES": "5"})
+
+
+@pytest.mark.parametrize(
+    "contents", ['{"nodes": []}', "[1, 2]", '{"wall_time_s": 1, "nodes": [{"id": "a"}]}']
+)
+def test_a_malformed_report_is_one_line(tmp_path: Path, contents: str) -> None:
+    (tmp_path / "bad.json").write_text(contents)
+    result, done = _run("report", str(tmp_path / "bad.json"))
+    assert result["code"] == 1
+    assert done.stderr.count("\n") == 1 and "is not a run report" in done.stderr
+
+
+def test_a_mesh_bounds_its_nodes_a_daemon_runs_until_stopped() -> None:
+    from gossipmesh.cli import parse_config
+    from gossipmesh.config import DEFAULT_STEPS, MeshConfig, NodeConfig
+
+    node = parse_config(["node", "--insecure"], {})
+    assert isinstance(node, NodeConfig) and node.steps is None and node.duration is None
+    mesh = parse_config(["mesh"], {})
+    assert isinstance(mesh, MeshConfig) and mesh.bounded().steps == DEFAULT_STEPS
+    timed = parse_config(["mesh", "--duration", "5"], {})
+    assert isinstance(timed, MeshConfig) and timed.bounded().steps is None

@@ -150,15 +150,34 @@ def _report(config: ReportConfig) -> int:
         print(f"gossipmesh: error: cannot read report {config.run}: {exc}", file=sys.stderr)
         return 1
     png = config.png or config.run.with_suffix(".png")
-    print("\n".join(report_view.summarize(report)))
-    report_view.plot(report, png)
+    try:
+        lines = report_view.summarize(report)
+        print("\n".join(lines))
+        report_view.plot(report, png)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a field missing or of a wrong type
+        what = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(
+            f"gossipmesh: error: {config.run} is not a run report ({what}); pass the --report file "
+            "of gossipmesh node or mesh",
+            file=sys.stderr,
+        )
+        return 1
     print(f"plot: {png}")
     return 0
 
 
 def _keygen(config: KeygenConfig) -> int:
-    from p2p.security.curve import keygen  # (zmq: only this command makes keys)
+    from p2p.security.curve import KeyExistsError, SecurityError, keygen  # (zmq: only keygen needs it)
 
-    public, secret = keygen(config.dir, config.name or default_name())
+    name = config.name or default_name()
+    try:
+        public, secret = keygen(config.dir, name)
+    except KeyExistsError as exc:
+        if config.name is not None:
+            raise
+        raise SecurityError(
+            f"{exc.path} exists (without --name a key is named after this host); pass --name NAME, "
+            f"one name per node, e.g. --name {name}-2"
+        ) from None
     print(f"public key {public}  (copy it into every trusted folder)\nsecret key {secret}")
     return 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from gossipmesh.config import SimulateConfig
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
     from gossip import GossipOptimizer
 
+PROGRESS_EVERY_S = 2.0  # a long simulation says how far it is on stderr, this often
 TABLE_ROWS = 20  # rounds shown in the table (evenly spaced, the last one always)
 DEFAULT_MODEL_BYTES = 100_000_000  # about ResNet-50 in float32
 
@@ -88,9 +91,30 @@ def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
     if config.task is not None:
         task = config.task.make()
         build = training(task, config.nodes, optimizer, batch_size=config.batch_size, seed=config.seed)
-        return simulate(scenario, build, model_nbytes(task, config.seed))
+        return simulate(scenario, build, model_nbytes(task, config.seed), _progress(config.rounds))
     vectors = start_vectors(config.nodes, config.seed)
-    return simulate(scenario, averaging_through(vectors, optimizer), vectors[0].nbytes)
+    return simulate(
+        scenario, averaging_through(vectors, optimizer), vectors[0].nbytes, _progress(config.rounds)
+    )
+
+
+def _progress(rounds: int) -> Callable[[int], None]:
+    """A line on stderr at most every PROGRESS_EVERY_S: the furthest round a node has taken."""
+    started = said = time.monotonic()
+    furthest = 0
+
+    def on_round(r: int) -> None:
+        nonlocal said, furthest
+        furthest = max(furthest, r)
+        if time.monotonic() - said >= PROGRESS_EVERY_S:
+            said = time.monotonic()
+            print(
+                f"simulating: round {furthest} of {rounds} ({said - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return on_round
 
 
 def _table(result: SimResult, config: SimulateConfig, out: TextIO) -> None:

@@ -11,7 +11,7 @@ which graph, codec and robust rule live with the algorithms (``gossip.Algorithm.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -35,7 +35,7 @@ _ARGUMENT = re.compile(
     r"\b(algorithm|topology|compression|robust|average_every|outer_lr|outer_momentum"
     r"|quasi_global_momentum|mix_momentum|local_group)=([\w.]+(?::[^\s]+)?)?"
 )
-DEFAULT_STEPS = 600
+DEFAULT_STEPS = 600  # a local test mesh's steps per node when given neither --steps nor --duration
 MAX_MESH_NODES = 256
 
 
@@ -190,13 +190,6 @@ class TrainConfig(AveragedSGD):
         super().__post_init__()
         check(self.steps is None or self.duration is None, "--steps", "give --steps or --duration, not both")
 
-    @property
-    def step_budget(self) -> int | None:
-        """Steps to run, or None when the run is bounded by --duration."""
-        if self.duration is not None:
-            return None
-        return self.steps if self.steps is not None else DEFAULT_STEPS
-
 
 @dataclass(frozen=True)
 class NodeConfig(TrainConfig):
@@ -260,6 +253,7 @@ class MeshConfig(TrainConfig):
     title: ClassVar[str] = "mesh"
 
     nodes: int = o.NODES.field()
+    steps: int | None = o.MESH_STEPS.field()
     slowdown: tuple[ForRank[float], ...] = o.MESH_SLOWDOWN.field()
     node_batch: tuple[ForRank[int], ...] = o.NODE_BATCH.field()
     node_device: tuple[ForRank[str], ...] = o.NODE_DEVICE.field()
@@ -316,6 +310,13 @@ class MeshConfig(TrainConfig):
                 "--no-listen",
                 f"rank {rank} is not in 1..{total - 1} (rank 0 is every node's bootstrap)",
             )
+
+    def bounded(self) -> MeshConfig:
+        """This mesh with the steps its nodes run: --steps, else DEFAULT_STEPS unless --duration
+        bounds the run (a test mesh ends by itself; a lone daemon runs until stopped)."""
+        if self.steps is not None or self.duration is not None:
+            return self
+        return replace(self, steps=DEFAULT_STEPS)
 
     def uplink_mbps(self, rank: int) -> float | None:
         """Node ``rank``'s uplink cap (--link): its own, else the one of every node, else none."""

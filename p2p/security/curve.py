@@ -41,13 +41,21 @@ class SecurityError(ValueError):
     """Keys that cannot be used; the message says what to run or pass instead."""
 
 
+class KeyExistsError(SecurityError):
+    """A key file that :func:`keygen` would overwrite."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} exists; remove it first or pick another --name")
+        self.path = path
+
+
 def keygen(folder: Path, name: str) -> tuple[Path, Path]:
     """Make a key pair ``folder/NAME.key`` and ``folder/NAME.key_secret`` (never overwrites)."""
     folder.mkdir(parents=True, exist_ok=True)
     public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
     for path in (public, secret):
         if path.exists():
-            raise SecurityError(f"{path} exists; remove it first or pick another --name")
+            raise KeyExistsError(path)
     zmq.auth.create_certificates(folder, name)
     secret.chmod(0o600)
     return public, secret
