@@ -188,11 +188,11 @@ class Peer(Endpoint):
 
     def _refused_everywhere(self) -> bool:
         """Whether every bootstrap address refused this node's key before it joined."""
-        refused = self.transport.connections.refused
+        refused = dict(self.transport.connections.refused)  # (a copy: the network thread counts)
         return (
             bool(self.bootstrap)
             and not self.membership.joined.is_set()
-            and set(self.bootstrap) <= set(refused)
+            and set(self.bootstrap) <= refused.keys()
         )
 
     def _refusals(self) -> str | None:
