@@ -16,30 +16,22 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from gossip.buffers.flat import host_vector
 from gossipmesh import logs
 from gossipmesh.cli import main as cli_main
-from gossipmesh.cli.main import USER_ERRORS
+from gossipmesh.cli.main import user_errors
 from gossipmesh.config import ConfigError, NodeConfig, summary
 from gossipmesh.console import emit, say
-from gossipmesh.daemon.lifecycle import join_machine, member, share_cores
-from gossipmesh.daemon.local_ranks import (
-    RankPlace,
-    gather_rank_records,
-    supervise,
-)
-from gossipmesh.daemon.metrics import NodeMetrics
-from gossipmesh.daemon.status_server import StatusServer
-from gossipmesh.daemon.trainer import Trainer
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_array, write_json
-from p2p import LocalRankPeer, Peer
-from p2p.security.curve import insecure_warning
+
+if TYPE_CHECKING:
+    import torch
+
+    from p2p import LocalRankPeer, Peer
 
 log = logging.getLogger(logs.NODE_LOGGER)
 
@@ -51,6 +43,19 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     node's network is made (a node that cannot bind its port reports that too). Raises
     TransportError / AddressError / TopologyError / StatusServerError for what the user must fix.
     """
+    # the daemon's modules import torch (seconds): here, once a node trains, so that every other
+    # command and every config error answers at once
+    import torch
+
+    from gossip.buffers.flat import host_vector
+    from gossipmesh.daemon.lifecycle import join_machine, member, share_cores
+    from gossipmesh.daemon.local_ranks import gather_rank_records
+    from gossipmesh.daemon.metrics import NodeMetrics
+    from gossipmesh.daemon.status_server import StatusServer
+    from gossipmesh.daemon.trainer import Trainer
+    from p2p import Peer
+    from p2p.security.curve import insecure_warning
+
     origin = config.clock_origin if config.clock_origin is not None else time.time()
 
     def clock() -> float:
@@ -84,9 +89,12 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     started = time.monotonic()
     try:
         peer.start()  # (a network thread that dies while it starts still leaves a report)
-        say(
-            config.progress, f"{node_id} listening on {peer.address}", event="listening", address=peer.address
+        where = (  # (a --no-listen node's address names its inbound route, not a port)
+            f"dialing out only (--no-listen), through {', '.join(config.bootstrap)}"
+            if config.no_listen
+            else f"listening on {peer.address}"
         )
+        say(config.progress, f"{node_id} {where}", event="listening", address=peer.address)
         if config.metrics_port is not None:
             status = StatusServer(metrics, config.metrics_port, config.metrics_host)
             say(config.progress, f"{node_id} metrics on :{status.port}/metrics", metrics_port=status.port)
@@ -127,7 +135,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
         outcome = "finished"
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, USER_ERRORS):
+        if isinstance(exc, user_errors()):
             raise
         log.exception("training failed")
     finally:
@@ -159,6 +167,9 @@ def _save(
     wall_time_s: float,
 ) -> None:
     """The report first (it says what happened, whatever fails after it), then the parameters."""
+    from gossip.buffers.flat import host_vector
+    from p2p import Peer
+
     if config.report is not None:
         report = build_report(
             wall_time_s=round(wall_time_s, 3),
@@ -182,7 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def node_command(config: NodeConfig) -> int:
     """``gossipmesh node``: run the daemon until done or signalled (a second signal stops it now)."""
+    from gossipmesh.daemon.local_ranks import RankPlace, supervise  # (torch.distributed)
+
     logs.configure(config.log_format)
+    if config.clock_origin is None:  # a lone node's report counts from its launch (t_first_step)
+        config = replace(config, clock_origin=_process_start())
     place = RankPlace.from_environment()
     if place is None and config.local_ranks > 1:  # this process supervises the machine's ranks
         return supervise(config.local_ranks, lambda: node_command(config))
@@ -213,6 +228,17 @@ def node_command(config: NodeConfig) -> int:
         f"{final.get('accuracy', math.nan):.3f}, loss {final.get('loss', math.nan):.4f}",
     )
     return 0
+
+
+def _process_start() -> float:
+    """When this process started, on the wall clock (from /proc; elsewhere: now), so that the
+    interpreter's start and the imports count in the report's times."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def cli() -> None:

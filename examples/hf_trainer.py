@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     peer = gossipmesh.connect(config, model)
     members = gossipmesh.member_order(peer.members())
     train, held_out = datasets(members.index(peer.node_id), len(members))
-    steps = config.step_budget or 100
+    steps = config.steps or 100
     optimizer = config.gossip_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), peer, model=model)
     scheduler = transformers.get_cosine_schedule_with_warmup(optimizer, steps // 10, steps)
     with tempfile.TemporaryDirectory() as output:

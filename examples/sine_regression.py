@@ -4,9 +4,11 @@ clean leave) and steps the session's optimizer.
 
 Run two nodes (options are those of ``gossipmesh node``: flags, GOSSIPMESH_* or --config)::
 
-    python examples/sine_regression.py --listen tcp://127.0.0.1:7001 --expect 2 &
+    gossipmesh keygen /tmp/sine-keys --name mesh
+    python examples/sine_regression.py --listen tcp://127.0.0.1:7001 --expect 2 \
+        --keys /tmp/sine-keys --trusted /tmp/sine-keys --steps 600 &
     python examples/sine_regression.py --listen tcp://127.0.0.1:7002 --expect 2 \
-        --bootstrap tcp://127.0.0.1:7001
+        --keys /tmp/sine-keys --trusted /tmp/sine-keys --steps 600 --bootstrap tcp://127.0.0.1:7001
 
 The same task also runs in the daemon, which calls ``make_task`` (from this folder)::
 
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with gossipmesh.Session(config, model, local) as node:  # joined (or took the mesh's state)
         optimizer, rank = node.optimizer, node.rank
         shard = task.shard(rank, len(node.members), partition=config.partition, seed=config.seed)
-        steps = config.step_budget or math.inf
+        steps = config.steps or math.inf
         for step, (inputs, targets) in enumerate(Batches(shard, config.batch_size, seed=config.seed + rank)):
             if step == steps:
                 break

@@ -11,15 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-
-class Piece(Protocol):
-    """Where a piece of a message sits: its tensors are bytes ``offset...`` of the payload of
-    tensors ``specs`` (dtype, shape, bytes), one after the other."""
-
-    @property
-    def offset(self) -> int: ...
-    @property
-    def specs(self) -> Sequence[tuple[np.dtype, tuple[int, ...], int]]: ...
+from gossip.buffers.pieces import Piece
 
 
 class Envelope(Protocol):

@@ -15,23 +15,72 @@ runtime), ``gossipmesh.mesh`` (the local test mesh), ``gossipmesh.cli`` (the com
 ``gossipmesh.tasks`` (built-in tasks), ``gossipmesh.sim`` (the simulator), ``gossipmesh.config``.
 """
 
-from gossip import (
-    Algorithm,
-    Codec,
-    GossipOptimizer,
-    GossipStatistics,
-    IncompatibleOptionsError,
-    PeerNetwork,
-    RobustRule,
-    consensus_distance,
-)
-from gossip.buffers.flat import host_vector
-from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
-from gossipmesh.daemon.lifecycle import Session
-from gossipmesh.daemon.peers import connect
-from gossipmesh.tasks import IID, Batches, DataPartition, Evaluation, Shard, Task, TaskRef, partition_indices
-from p2p import Peer
-from topologies import SpecError, Topology, member_order
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gossip import (
+        Algorithm,
+        Codec,
+        GossipOptimizer,
+        GossipStatistics,
+        IncompatibleOptionsError,
+        PeerNetwork,
+        RobustRule,
+        consensus_distance,
+    )
+    from gossip.buffers.flat import host_vector
+    from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, node_config
+    from gossipmesh.daemon.lifecycle import Session
+    from gossipmesh.daemon.peers import connect
+    from gossipmesh.tasks import (
+        IID,
+        Batches,
+        DataPartition,
+        Evaluation,
+        Shard,
+        Task,
+        TaskRef,
+        partition_indices,
+    )
+    from p2p import Peer
+    from topologies import SpecError, Topology, member_order
+
+#: where each public name lives; imported on first use (PEP 562): the command line imports this
+#: package before it parses anything, and most of these import torch
+_HOME = {
+    **dict.fromkeys(
+        (
+            "Algorithm",
+            "Codec",
+            "GossipOptimizer",
+            "GossipStatistics",
+            "IncompatibleOptionsError",
+            "PeerNetwork",
+            "RobustRule",
+            "consensus_distance",
+        ),
+        "gossip",
+    ),
+    "host_vector": "gossip.buffers.flat",
+    **dict.fromkeys(("ConfigError", "MeshConfig", "NodeConfig", "node_config"), "gossipmesh.config"),
+    "Session": "gossipmesh.daemon.lifecycle",
+    "connect": "gossipmesh.daemon.peers",
+    **dict.fromkeys(
+        ("IID", "Batches", "DataPartition", "Evaluation", "Shard", "Task", "TaskRef", "partition_indices"),
+        "gossipmesh.tasks",
+    ),
+    "Peer": "p2p",
+    **dict.fromkeys(("SpecError", "Topology", "member_order"), "topologies"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOME[name]), name)
+
 
 __all__ = [
     "IID",

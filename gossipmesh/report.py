@@ -15,12 +15,13 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gossip import GossipStatistics
-from p2p import TransportStats
+if TYPE_CHECKING:  # (the command line reads reports and logs through here: no torch, no sockets)
+    from gossip import GossipStatistics
+    from p2p import TransportStats
 
 STATUSES = ("finished", "killed", "failed")
 

@@ -26,6 +26,12 @@ class AddressError(ValueError):
     """An endpoint or node id that cannot be used; the message says what to pass instead."""
 
 
+def default_name() -> str:
+    """This host's name, made valid as a node id (and a key file name)."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
+    return host.strip("-.") or "node"
+
+
 def parse_endpoint(text: str) -> str:
     """``HOST:PORT`` or ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT`` (port 0 means any free port)."""
     match = _TCP.match(text.strip())

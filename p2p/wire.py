@@ -27,9 +27,9 @@ import reprlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -50,18 +50,35 @@ _HEADER_KEYS = frozenset({"v", "kind", "sender", "session", "seq", "round", "ten
 _OPTIONAL_KEYS = frozenset({"meta", "chunk"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "nbytes"})
 
-#: dtypes a tensor frame may carry; anything else is rejected before an array is built.
-#: bfloat16 is ml_dtypes' numpy dtype (the one JAX uses): a model's bf16 values in 2 bytes.
-WIRE_DTYPES: Mapping[str, np.dtype] = {
-    **{
-        name: np.dtype(name).newbyteorder("<")
-        for name in (
-            "float16", "float32", "float64",
-            "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
-        )
-    },
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}  # fmt: skip
+if TYPE_CHECKING:
+    #: dtypes a tensor frame may carry; anything else is rejected before an array is built.
+    WIRE_DTYPES: Mapping[str, np.dtype]
+
+
+@cache
+def wire_dtypes() -> Mapping[str, np.dtype]:
+    """``WIRE_DTYPES``, made on first use: bfloat16 is ml_dtypes' numpy dtype (the one JAX uses,
+    a model's bf16 values in 2 bytes), and ml_dtypes takes a second to import, which a command
+    that only parses its options should not pay."""
+    import ml_dtypes
+
+    return {
+        **{
+            name: np.dtype(name).newbyteorder("<")
+            for name in (
+                "float16", "float32", "float64",
+                "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
+            )
+        },
+        "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    }  # fmt: skip
+
+
+def __getattr__(name: str) -> Mapping[str, np.dtype]:
+    if name != "WIRE_DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return wire_dtypes()
+
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("gossipmesh's wire format needs a little-endian host")
@@ -274,8 +291,8 @@ def _chunk(envelope: Message, specs: tuple[TensorSpec, ...], place: Any, pieces:
 
 
 def _wire_dtype_name(dtype: np.dtype) -> str:
-    if dtype.name not in WIRE_DTYPES or dtype.byteorder == ">":
-        raise ValueError(f"dtype {dtype} cannot go on the wire; use one of {sorted(WIRE_DTYPES)}")
+    if dtype.name not in wire_dtypes() or dtype.byteorder == ">":
+        raise ValueError(f"dtype {dtype} cannot go on the wire; use one of {sorted(wire_dtypes())}")
     return dtype.name
 
 
@@ -354,9 +371,9 @@ def shown(value: Any) -> str:
 def _tensor_spec(descriptor: Any, max_bytes: int) -> TensorSpec:
     if not isinstance(descriptor, dict) or set(descriptor) != _TENSOR_KEYS:
         raise WireError("header_schema", f"tensor descriptor must have keys {sorted(_TENSOR_KEYS)}")
-    dtype = WIRE_DTYPES.get(descriptor["dtype"]) if isinstance(descriptor["dtype"], str) else None
+    dtype = wire_dtypes().get(descriptor["dtype"]) if isinstance(descriptor["dtype"], str) else None
     if dtype is None:
-        raise WireError("dtype", f"dtype {shown(descriptor['dtype'])} is not one of {sorted(WIRE_DTYPES)}")
+        raise WireError("dtype", f"dtype {shown(descriptor['dtype'])} is not one of {sorted(wire_dtypes())}")
     shape = descriptor["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d, _U64) for d in shape):
         raise WireError("shape", f"shape {shown(shape)} must be a list of at most {MAX_NDIM} sizes")

@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import zmq
 from helpers import addresses, raw_dealer, started_peers, started_transport, wait_until
 from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port
 from test_security import curve_for, curve_peers, make_keys
@@ -41,8 +42,9 @@ def _die() -> None:
 
 
 def _sockets(peer: Peer) -> int:
-    """Open ZeroMQ sockets of a peer's context (the ROUTER and ZAP sockets included)."""
-    return sum(1 for s in peer.transport._context._sockets if not s.closed)
+    """Open ZeroMQ sockets of a peer's context (the ROUTER and ZAP sockets included; not the
+    monitors, one per DEALER, which come and go with it)."""
+    return sum(1 for s in peer.transport._context._sockets if not s.closed and s.type != zmq.PAIR)
 
 
 def _header(**fields: object) -> bytes:

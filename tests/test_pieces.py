@@ -27,6 +27,10 @@ def _pieces(sender: str, vector: np.ndarray, layout: Layout, size: int) -> list[
     ]
 
 
+def _add(mix: RunningMix, message: Message, weight: float) -> str | None:
+    return mix.add(message.sender, message.tensors, message.piece, weight)
+
+
 def _mix(own: np.ndarray, layout: Layout, self_weight: float = 1 / 3) -> RunningMix:
     return RunningMix(own, layout, self_weight, np.empty(16, own.dtype), contextlib.nullcontext())
 
@@ -37,7 +41,7 @@ def test_pieces_in_any_order_mix_to_the_weighted_mean() -> None:
     mix = _mix(own, layout)
     pieces = _pieces("a", a, layout, 64) + _pieces("b", b, layout, 120)
     for index in np.random.default_rng(0).permutation(len(pieces)):
-        assert mix.add(pieces[index], 1 / 3) is None
+        assert _add(mix, pieces[index], 1 / 3) is None
     assert mix.complete("a") and mix.complete("b")
     np.testing.assert_allclose(own, (a + b) / 3, rtol=1e-14)
     assert mix.weights == [(0, pytest.approx(1.0))]
@@ -48,9 +52,9 @@ def test_a_neighbour_cut_off_mid_stream_counts_where_it_arrived() -> None:
     layout = Layout.of(own)
     mix = _mix(own, layout)
     for piece in _pieces("a", a, layout, 80)[:5]:  # elements 0..49 of a arrived, then a was gone
-        assert mix.add(piece, 1 / 3) is None
+        assert _add(mix, piece, 1 / 3) is None
     for piece in _pieces("b", b, layout, 80):
-        assert mix.add(piece, 1 / 3) is None
+        assert _add(mix, piece, 1 / 3) is None
     assert not mix.complete("a") and mix.complete("b")
     np.testing.assert_allclose(own[:50], 3.0)  # (0 + 3 + 6) / 3
     np.testing.assert_allclose(own[50:], 3.0)  # (0 + 6) / 2: a's weight renormalised away
@@ -63,14 +67,14 @@ def test_a_bad_piece_refuses_its_message_only() -> None:
     a[45] = np.nan
     layout = Layout.of(own)
     mix = _mix(own, layout, 1 / 3)
-    problems = [mix.add(piece, 1 / 3) for piece in _pieces("a", a, layout, 160)]  # 20 elements each
+    problems = [_add(mix, piece, 1 / 3) for piece in _pieces("a", a, layout, 160)]  # 20 elements each
     assert problems == [None, None, "non_finite"]
-    assert [mix.add(p, 1 / 3) for p in _pieces("b", b, layout, 160)] == [None] * 3
+    assert [_add(mix, p, 1 / 3) for p in _pieces("b", b, layout, 160)] == [None] * 3
     assert np.isfinite(own).all()
     np.testing.assert_allclose(own[:32], 3.0)  # a's blocks before its bad one (16 elements each)
     np.testing.assert_allclose(own[48:], 3.0)  # (0 + 6) / 2
     again = _pieces("a", a, layout, 160)[0]
-    assert mix.add(again, 1 / 3) == "refused_message"
+    assert _add(mix, again, 1 / 3) == "refused_message"
 
 
 SPECS = ((np.dtype(np.float64), (100,), 800),)
@@ -90,7 +94,7 @@ def test_a_piece_that_does_not_fit_is_refused(
 ) -> None:
     own = np.zeros(100)
     piece = Message("params", "a", 0, (np.ones(length, np.uint8),), piece=Piece(offset, specs))
-    assert _mix(own, Layout.of(own)).add(piece, 0.5) == reason
+    assert _add(_mix(own, Layout.of(own)), piece, 0.5) == reason
     assert not own.any()
 
 
@@ -99,8 +103,8 @@ def test_the_same_bytes_twice_are_refused() -> None:
     layout = Layout.of(own)
     mix = _mix(own, layout, 0.5)
     first = _pieces("a", np.ones(40), layout, 160)
-    assert mix.add(first[0], 0.5) is None
-    assert mix.add(first[0], 0.5) == "duplicate_piece"
+    assert _add(mix, first[0], 0.5) is None
+    assert _add(mix, first[0], 0.5) == "duplicate_piece"
 
 
 def test_bfloat16_buckets_are_widened_as_they_are_mixed() -> None:
@@ -109,7 +113,7 @@ def test_bfloat16_buckets_are_widened_as_they_are_mixed() -> None:
     mix = _mix(own, layout, 0.5)
     value = np.linspace(-2, 2, 48).astype(np.float32)
     for piece in _pieces("a", value, layout, 24):
-        assert mix.add(piece, 0.5) is None
+        assert _add(mix, piece, 0.5) is None
     expected = np.concatenate([value[:32].astype(BF16).astype(np.float32), value[32:]]) / 2
     np.testing.assert_allclose(own, expected, rtol=1e-7)
 

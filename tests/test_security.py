@@ -4,6 +4,7 @@ hostile input counted per peer and a garbage sender shunned."""
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import zmq
 from helpers import addresses, average_in_threads, raw_dealer, started_transport, wait_until
 from hostile import connect
 
-from p2p import Peer, Transport
+from p2p import Peer, Transport, TransportError
 from p2p.security.curve import Curve, NodeKeys, SecurityError, TrustedKeys, _TrustedProvider, keygen
 from p2p.security.rejections import Rejections
 from p2p.wire import encode
@@ -68,7 +69,7 @@ def test_missing_or_ambiguous_keys_say_what_to_run(tmp_path: Path) -> None:
         NodeKeys.load(tmp_path, "x")
     keygen(tmp_path, "a")
     keygen(tmp_path, "b")
-    with pytest.raises(SecurityError, match="exactly one"):
+    with pytest.raises(SecurityError, match=r"a\.key_secret, b\.key_secret and no c\.key_secret; pass --id"):
         NodeKeys.load(tmp_path, "c")
     assert NodeKeys.load(tmp_path, "b") == NodeKeys.load(tmp_path, "b")
     (tmp_path / "empty").mkdir()
@@ -152,6 +153,33 @@ def test_an_untrusted_peer_gets_no_frame_through_until_its_key_is_trusted(tmp_pa
         assert honest.stats.messages_rejected == 0  # ...refused at the handshake, before any frame
         shutil.copy(public, trusted)  # trusted from now on, with no restart
         assert wait_until(lambda: honest.members() == newcomer.members() == {"a", "b"}, 10)
+
+
+def test_a_refused_key_is_named_on_both_sides(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """b's key is not in a's trusted folder: a logs b's key and its folder; b gives up on its
+    start, before its (long) timeout, saying which file to copy where."""
+    trusted_by_a = make_keys(tmp_path, "a")
+    trusted_by_b = tmp_path / "trusted-b"
+    shutil.copytree(trusted_by_a, trusted_by_b)
+    public, _ = keygen(tmp_path / "keys" / "b", "b")
+    shutil.copy(public, trusted_by_b)
+    key_of_b = NodeKeys.load(tmp_path / "keys" / "b", "b").public.decode()
+    a_address, b_address = addresses(2)
+    a = Peer("a", a_address, curve=curve_for(tmp_path, "a", trusted_by_a))
+    b = Peer("b", b_address, [a_address], curve=curve_for(tmp_path, "b", trusted_by_b))
+    try:
+        a.start()
+        b.start()
+        with pytest.raises(TransportError) as refused:
+            b.wait_ready(600)
+    finally:
+        a.close()
+        b.close()
+    message = str(refused.value)
+    assert re.search(rf"\d+ handshakes refused for untrusted keys: {a_address} does not trust", message)
+    assert key_of_b in message and f"copy {public} into the --trusted folder there" in message
+    logged = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert logged and key_of_b in logged[0] and f"not in --trusted {trusted_by_a}" in logged[0]
 
 
 def _average_under_attack(tmp_path: Path, *, secure: bool, attack: bool) -> str:

@@ -222,7 +222,7 @@ class DPSGD(Averager):
             self.dropped["not_a_neighbour"] += 1
         else:
             first = sender not in mix.senders
-            problem = mix.add(message, row.receive_from[sender])
+            problem = mix.add(sender, message.tensors, message.piece, row.receive_from[sender])
             if problem == "refused_message":
                 self.dropped[problem] += 1
             elif problem is not None:

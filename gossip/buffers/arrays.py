@@ -16,11 +16,12 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
-from torch.utils.dlpack import from_dlpack
+
+if TYPE_CHECKING:  # (torch is imported by whoever hands a tensor in: the algorithms need only numpy)
+    import torch
 
 Array: TypeAlias = Any
 """A numpy or a cupy ndarray (Any: cupy is optional and ships no type information)."""
@@ -63,6 +64,8 @@ def shares_memory(tensor: torch.Tensor) -> bool:
 
 def to_torch(array: Array) -> torch.Tensor:
     """The array's memory as a tensor, no copy (DLPack, for numpy arrays too)."""
+    from torch.utils.dlpack import from_dlpack
+
     return from_dlpack(array)
 
 

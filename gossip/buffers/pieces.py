@@ -26,13 +26,23 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 
 from gossip.buffers.vector import Layout, all_finite
-from gossip.network import Envelope
 
 BLOCK = 1 << 18  # elements mixed at a time: a block of the vector and of the piece stay in cache
+
+
+class Piece(Protocol):
+    """Where a piece of a message sits: its tensors are bytes ``offset...`` of the payload of
+    tensors ``specs`` (dtype, shape, bytes), one after the other."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def specs(self) -> Sequence[tuple[np.dtype, tuple[int, ...], int]]: ...
 
 
 class RunningMix:
@@ -76,24 +86,25 @@ class RunningMix:
         total = int(self._frame_bytes[-1])
         return sum(hi - lo for lo, hi in self._covered.get(sender, ())) == total
 
-    def add(self, message: Envelope, weight: float) -> str | None:
-        """Mix in ``message`` (a whole value or one piece of it) with ``weight``; the reason it
-        was refused (in part: from its first bad block on), or None."""
-        sender = message.sender
+    def add(
+        self, sender: str, tensors: Sequence[np.ndarray], piece: Piece | None, weight: float
+    ) -> str | None:
+        """Mix in ``sender``'s value, whole (``tensors`` are its frames) or one ``piece`` of it
+        (``tensors`` are its bytes), with ``weight``; the reason it was refused (in part: from
+        its first bad block on), or None."""
         if sender in self._refused:
             return "refused_message"
-        piece = message.piece
         if piece is None:  # a whole value: checked whole, taken whole or not at all
-            problem = self._layout.problem(message.tensors)
-            if problem is None and not all(all_finite(t) for t in message.tensors):
+            problem = self._layout.problem(tensors)
+            if problem is None and not all(all_finite(t) for t in tensors):
                 problem = "non_finite"
             if problem is not None:
                 return problem
-            data, offset = [np.asarray(t).reshape(-1).view(np.uint8) for t in message.tensors], 0
+            data, offset = [np.asarray(t).reshape(-1).view(np.uint8) for t in tensors], 0
         else:
             if [(np.dtype(d), tuple(s), n) for d, s, n in piece.specs] != self._specs:
                 return self._refuse(sender, "tensor_mismatch")
-            data, offset = list(message.tensors), piece.offset
+            data, offset = list(tensors), piece.offset
         stop = offset + sum(part.nbytes for part in data)
         if any(lo < stop and offset < hi for lo, hi in self._covered.get(sender, ())):
             return "duplicate_piece" if piece is None else self._refuse(sender, "duplicate_piece")

@@ -11,15 +11,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
 
 from gossip.buffers.arrays import Array, array_module
 
 CHUNK = 1 << 20  # elements per vector op
 Frames = Sequence[np.ndarray]  # a vector on the wire: one frame per bucket of its Layout
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy has none: ml_dtypes' (the one JAX uses)
+if TYPE_CHECKING:
+    BFLOAT16: np.dtype  # numpy has none: ml_dtypes' (the one JAX uses), made by __getattr__
+
+
+def __getattr__(name: str) -> np.dtype:
+    """``BFLOAT16`` on first use: ml_dtypes takes a second to import, which a command that
+    only parses its options (and names an algorithm) should not pay."""
+    if name != "BFLOAT16":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import ml_dtypes
+
+    bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
 
 
 def all_finite(array: np.ndarray) -> bool:

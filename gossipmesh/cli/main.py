@@ -1,6 +1,9 @@
 """``gossipmesh COMMAND``: each command is a config class (its options, ``--help`` and checks
 come from ``gossipmesh.config``) and a handler. A config error exits with status 2 and one line
-naming the option, before any socket is opened or any member waited for."""
+naming the option, before any socket is opened or any member waited for.
+
+Parsing imports no torch: ``--help``, ``keygen``, ``topology``, ``report`` and every config error
+answer at once; a command that trains imports it once it runs (``tests/test_cli_startup.py``)."""
 
 from __future__ import annotations
 
@@ -9,23 +12,28 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gossipmesh import report_view
 from gossipmesh.cli import simulate, topology_view
 from gossipmesh.config import ConfigError, NodeConfig, Options, add_options, from_namespace
 from gossipmesh.config.configs import KeygenConfig, MeshConfig, ReportConfig, SimulateConfig, TopologyConfig
-from gossipmesh.daemon.peers import default_name
-from gossipmesh.daemon.status_server import StatusServerError
-from gossipmesh.mesh.launcher import run_mesh
-from gossipmesh.mesh.node_process import NodeMain
 from gossipmesh.report import read_json
-from p2p import AddressError, TransportError
-from p2p.security.curve import SecurityError, keygen
-from topologies import TopologyError
+from p2p.address import default_name
 
-# what a user must fix (the message says how), reported without a traceback
-USER_ERRORS = (AddressError, TransportError, TopologyError, StatusServerError, SecurityError)
+if TYPE_CHECKING:
+    from gossipmesh.mesh.node_process import NodeMain
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """What a user must fix (the message says how), reported without a traceback. Imported when
+    an error is raised: the network's and the status server's modules are not a light command's."""
+    from gossipmesh.daemon.status_server import StatusServerError
+    from p2p import AddressError, TransportError
+    from p2p.security.curve import SecurityError
+    from topologies import TopologyError
+
+    return (AddressError, TransportError, TopologyError, StatusServerError, SecurityError)
 
 
 @dataclass(frozen=True)
@@ -102,16 +110,22 @@ def main(argv: Sequence[str] | None, *, run_node: Callable[[NodeConfig], int], n
         config = parse_config(argv)
         handlers: dict[type[Options], Callable[[Any], int]] = {
             NodeConfig: run_node,
-            MeshConfig: lambda mesh: run_mesh(mesh, node_main),
+            MeshConfig: lambda mesh: _mesh(mesh, node_main),
             SimulateConfig: simulate.run,
             TopologyConfig: topology_view.run,
             ReportConfig: _report,
             KeygenConfig: _keygen,
         }
         return handlers[type(config)](config)
-    except (ConfigError, *USER_ERRORS) as exc:
+    except ConfigError as exc:
         print(f"gossipmesh: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 2
+    except Exception as exc:  # (not `except user_errors()`: --help's SystemExit would evaluate
+        # that, importing the network's modules to print the help)
+        if not isinstance(exc, user_errors()):
+            raise
+        print(f"gossipmesh: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def parse_config(argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> Options:
@@ -123,6 +137,12 @@ def parse_config(argv: Sequence[str] | None, env: Mapping[str, str] | None = Non
     return from_namespace(command.config, args, environment)
 
 
+def _mesh(config: MeshConfig, node_main: NodeMain) -> int:
+    from gossipmesh.mesh.launcher import run_mesh  # (imports torch, for the nodes it forks)
+
+    return run_mesh(config, node_main)
+
+
 def _report(config: ReportConfig) -> int:
     try:
         report = read_json(config.run)
@@ -130,13 +150,34 @@ def _report(config: ReportConfig) -> int:
         print(f"gossipmesh: error: cannot read report {config.run}: {exc}", file=sys.stderr)
         return 1
     png = config.png or config.run.with_suffix(".png")
-    print("\n".join(report_view.summarize(report)))
-    report_view.plot(report, png)
+    try:
+        lines = report_view.summarize(report)
+        print("\n".join(lines))
+        report_view.plot(report, png)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a field missing or of a wrong type
+        what = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(
+            f"gossipmesh: error: {config.run} is not a run report ({what}); pass the --report file "
+            "of gossipmesh node or mesh",
+            file=sys.stderr,
+        )
+        return 1
     print(f"plot: {png}")
     return 0
 
 
 def _keygen(config: KeygenConfig) -> int:
-    public, secret = keygen(config.dir, config.name or default_name())
+    from p2p.security.curve import KeyExistsError, SecurityError, keygen  # (zmq: only keygen needs it)
+
+    name = config.name or default_name()
+    try:
+        public, secret = keygen(config.dir, name)
+    except KeyExistsError as exc:
+        if config.name is not None:
+            raise
+        raise SecurityError(
+            f"{exc.path} exists (without --name a key is named after this host); pass --name NAME, "
+            f"one name per node, e.g. --name {name}-2"
+        ) from None
     print(f"public key {public}  (copy it into every trusted folder)\nsecret key {secret}")
     return 0

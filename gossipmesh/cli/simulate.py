@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TextIO
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
-import torch
-
-from gossip import GossipOptimizer
 from gossipmesh.config import SimulateConfig
 from gossipmesh.sim.allreduce import RingAllreduce, ring_allreduce
 from gossipmesh.sim.links import Link, VirtualPeer
 from gossipmesh.sim.run import RoundPoint, SimResult, simulate, start_vectors
 from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, split_in_halves
-from gossipmesh.sim.training import averaging_through, model_nbytes, training
 
+if TYPE_CHECKING:
+    import torch
+
+    from gossip import GossipOptimizer
+
+PROGRESS_EVERY_S = 2.0  # a long simulation says how far it is on stderr, this often
 TABLE_ROWS = 20  # rounds shown in the table (evenly spaced, the last one always)
 DEFAULT_MODEL_BYTES = 100_000_000  # about ResNet-50 in float32
 
@@ -78,6 +82,8 @@ def _warn_after_the_end(scenario: Scenario, end_s: float) -> None:
 
 def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
     """Every node's optimizer made as a daemon makes its own (``Averaging.gossip_optimizer``)."""
+    # (torch: imported once a simulation runs, not for --help, which shows this module's doc)
+    from gossipmesh.sim.training import averaging_through, model_nbytes, training
 
     def optimizer(model: torch.nn.Module, peer: VirtualPeer) -> GossipOptimizer:
         return config.gossip_optimizer(config.local_optimizer(model), peer, model=model)
@@ -85,9 +91,30 @@ def _gossip(config: SimulateConfig, scenario: Scenario) -> SimResult:
     if config.task is not None:
         task = config.task.make()
         build = training(task, config.nodes, optimizer, batch_size=config.batch_size, seed=config.seed)
-        return simulate(scenario, build, model_nbytes(task, config.seed))
+        return simulate(scenario, build, model_nbytes(task, config.seed), _progress(config.rounds))
     vectors = start_vectors(config.nodes, config.seed)
-    return simulate(scenario, averaging_through(vectors, optimizer), vectors[0].nbytes)
+    return simulate(
+        scenario, averaging_through(vectors, optimizer), vectors[0].nbytes, _progress(config.rounds)
+    )
+
+
+def _progress(rounds: int) -> Callable[[int], None]:
+    """A line on stderr at most every PROGRESS_EVERY_S: the furthest round a node has taken."""
+    started = said = time.monotonic()
+    furthest = 0
+
+    def on_round(r: int) -> None:
+        nonlocal said, furthest
+        furthest = max(furthest, r)
+        if time.monotonic() - said >= PROGRESS_EVERY_S:
+            said = time.monotonic()
+            print(
+                f"simulating: round {furthest} of {rounds} ({said - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return on_round
 
 
 def _table(result: SimResult, config: SimulateConfig, out: TextIO) -> None:

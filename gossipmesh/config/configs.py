@@ -11,13 +11,11 @@ which graph, codec and robust rule live with the algorithms (``gossip.Algorithm.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
-
-from gossip import Algorithm, Codec, GossipOptimizer, IncompatibleOptionsError, PeerNetwork, RobustRule
+from gossip import Algorithm, Codec, IncompatibleOptionsError, PeerNetwork, RobustRule
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -26,13 +24,18 @@ from gossipmesh.sim.scenario import Stragglers
 from gossipmesh.tasks import DataPartition, Precision, TaskRef
 from topologies import Topology, TopologyError
 
+if TYPE_CHECKING:  # (configs are read and checked before a command knows it trains: no torch here)
+    import torch
+
+    from gossip import GossipOptimizer
+
 #: GossipOptimizer's arguments that a command line spells otherwise (the rest: ``--name``)
 _FLAG_OF_ARGUMENT = {"outer_lr": "--local-steps", "local_group": "--local-ranks"}
 _ARGUMENT = re.compile(
     r"\b(algorithm|topology|compression|robust|average_every|outer_lr|outer_momentum"
     r"|quasi_global_momentum|mix_momentum|local_group)=([\w.]+(?::[^\s]+)?)?"
 )
-DEFAULT_STEPS = 600
+DEFAULT_STEPS = 600  # a local test mesh's steps per node when given neither --steps nor --duration
 MAX_MESH_NODES = 256
 
 
@@ -66,6 +69,8 @@ class LocalSGD(Options):
 
     def local_optimizer(self, model: torch.nn.Module) -> torch.optim.SGD:
         """SGD with ``lr`` scaled to the batch size, so a step takes the same step per example."""
+        import torch
+
         lr = self.lr * self.batch_size / self.reference_batch
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=self.momentum)
 
@@ -131,6 +136,8 @@ class Averaging(Options):
     ) -> GossipOptimizer:
         """``optimizer`` wrapped to average as these options say (``options``: the rest of
         GossipOptimizer's arguments, e.g. ``lock``, and ``model``, whose buffers it averages)."""
+        from gossip import GossipOptimizer
+
         return GossipOptimizer(
             optimizer,
             peer=peer,
@@ -184,13 +191,6 @@ class TrainConfig(AveragedSGD):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.steps is None or self.duration is None, "--steps", "give --steps or --duration, not both")
-
-    @property
-    def step_budget(self) -> int | None:
-        """Steps to run, or None when the run is bounded by --duration."""
-        if self.duration is not None:
-            return None
-        return self.steps if self.steps is not None else DEFAULT_STEPS
 
 
 @dataclass(frozen=True)
@@ -255,6 +255,7 @@ class MeshConfig(TrainConfig):
     title: ClassVar[str] = "mesh"
 
     nodes: int = o.NODES.field()
+    steps: int | None = o.MESH_STEPS.field()
     slowdown: tuple[ForRank[float], ...] = o.MESH_SLOWDOWN.field()
     node_batch: tuple[ForRank[int], ...] = o.NODE_BATCH.field()
     node_device: tuple[ForRank[str], ...] = o.NODE_DEVICE.field()
@@ -311,6 +312,13 @@ class MeshConfig(TrainConfig):
                 "--no-listen",
                 f"rank {rank} is not in 1..{total - 1} (rank 0 is every node's bootstrap)",
             )
+
+    def bounded(self) -> MeshConfig:
+        """This mesh with the steps its nodes run: --steps, else DEFAULT_STEPS unless --duration
+        bounds the run (a test mesh ends by itself; a lone daemon runs until stopped)."""
+        if self.steps is not None or self.duration is not None:
+            return self
+        return replace(self, steps=DEFAULT_STEPS)
 
     def uplink_mbps(self, rank: int) -> float | None:
         """Node ``rank``'s uplink cap (--link): its own, else the one of every node, else none."""

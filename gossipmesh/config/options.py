@@ -152,7 +152,10 @@ ROBUST = Option(
     "':b=K' tolerates K bad neighbours (default 1)",
     none="none",
 )
-STEPS = Option(_AT_LEAST_ONE, "local steps to train (default 600)", metavar="N")
+STEPS = Option(_AT_LEAST_ONE, "local steps to train (default: until stopped, or --duration)", metavar="N")
+MESH_STEPS = Option(
+    _AT_LEAST_ONE, "local steps each node trains (default: 600, unless --duration)", metavar="N"
+)
 DURATION = Option(
     _POSITIVE,
     "train until this many seconds on the report clock (a mesh's start), instead of --steps",
@@ -425,4 +428,4 @@ KEY_DIR = Option(
     metavar="DIR",
     form="positional",
 )
-KEY_NAME = Option(values.node_id, "file name of the pair (default: host name)")
+KEY_NAME = Option(values.node_id, "file name of the pair, one per node (default: host name)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import os
 import sys
@@ -93,6 +94,7 @@ def load(
             if name not in fields:
                 raise ConfigError(f"{config_file}: unknown option {key!r}; known: {', '.join(fields)}")
             values[name] = _read(option_of(fields[name]), value, f"{config_file}: {key}")
+    _check_env_names(env or {}, fields)
     for name, field in fields.items():
         if (raw := (env or {}).get(ENV_PREFIX + name.upper())) is not None:
             values[name] = _read(option_of(field), raw, ENV_PREFIX + name.upper())
@@ -101,6 +103,31 @@ def load(
             option = option_of(fields[name])
             values[name] = _read(option, raw, name if option.form == "positional" else flag(name))
     return config(**values)
+
+
+def _check_env_names(env: Mapping[str, str], fields: Mapping[str, dataclasses.Field[Any]]) -> None:
+    """ConfigError for a ``GOSSIPMESH_*`` variable that names no option of any command (a typo
+    would otherwise be ignored); one of another command's options passes (a mesh's nodes
+    inherit its environment)."""
+    known = {CONFIG_ENV} | {ENV_PREFIX + name.upper() for name in _every_option_name()}
+    for variable in sorted(v for v in env if v.startswith(ENV_PREFIX) and v not in known):
+        ours = [name.upper() for name in fields] + [CONFIG_ENV.removeprefix(ENV_PREFIX)]
+        closest = difflib.get_close_matches(variable.removeprefix(ENV_PREFIX), ours, n=1)
+        hint = (
+            f"did you mean {ENV_PREFIX}{closest[0]}?" if closest else f"an option's is {ENV_PREFIX}<OPTION>"
+        )
+        raise ConfigError(f"{variable}: no such option ({hint}); fix or unset it")
+
+
+def _every_option_name() -> set[str]:
+    """The fields of every command's config (and of the groups they are made of)."""
+    names: set[str] = set()
+    pending: list[type[Options]] = [Options]
+    while pending:
+        config = pending.pop()
+        names.update(f.name for f in dataclasses.fields(config))
+        pending.extend(config.__subclasses__())
+    return names
 
 
 def from_namespace(config: type[Config], args: argparse.Namespace, env: Mapping[str, str] | None) -> Config:

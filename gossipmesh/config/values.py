@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 import numpy as np
-import torch
 
 from gossip import Algorithm, RobustRule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -115,8 +114,12 @@ def device(text: str) -> str:
     name, _, index = text.partition(":")
     if name not in ("cpu", "cuda") or (index and (name == "cpu" or not index.isdigit())):
         raise ValueError(f"{text!r}: choose cpu, cuda or cuda:INDEX")
-    available = torch.cuda.device_count() if name == "cuda" else 0
-    if name == "cuda" and available <= int(index or 0):
+    if name == "cpu":
+        return text
+    import torch  # (only to count CUDA devices: the cpu default answers without it)
+
+    available = torch.cuda.device_count()
+    if available <= int(index or 0):
         raise ValueError(
             f"{text!r}: this torch build sees no CUDA device {index or 0} ({available} found); "
             "install a CUDA build (make venv TORCH_SPEC=...) or use --device cpu"

@@ -29,6 +29,7 @@ from gossip.optim.optimizer import saved_step_count
 from gossip.state.fetch import RETRY_S, TransferStats
 from gossip.state.manifest import Snapshot, StateTransferError
 from gossipmesh.config import NodeConfig
+from gossipmesh.console import say
 from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, save_checkpoint
 from gossipmesh.daemon.local_ranks import (
     RankPlace,
@@ -46,6 +47,7 @@ from topologies import member_order
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 SOURCE_PATIENCE_S = 3 * RETRY_S  # a state source that sends nothing this long is left for the others
 STATE_SOURCES = 3  # members a joiner takes its state from at once
+WAITING_EVERY_S = 5.0  # how often a node waiting for its members says what it waits for
 log = logging.getLogger(__name__)
 
 
@@ -77,7 +79,16 @@ class Entry:
         ordered = None
         if isinstance(peer, Peer):
             expect = 1 if self.joins_running_mesh else max(1, self.config.expect)
-            peer.wait_ready(self.config.startup_timeout, expect=expect, cancelled=cancelled)
+            said = started = time.monotonic()
+
+            def waiting() -> bool:
+                nonlocal said
+                if time.monotonic() - said >= WAITING_EVERY_S:
+                    said = time.monotonic()
+                    say(self.config.progress, self._waiting(peer, expect, said - started))
+                return cancelled()
+
+            peer.wait_ready(self.config.startup_timeout, expect=expect, cancelled=waiting)
             ordered = member_order(peer.members())
         if group is not None:
             ordered = share_members(group, ordered)
@@ -85,6 +96,18 @@ class Entry:
         if ordered is None:
             raise TypeError("a local rank other than 0 waits for the members with its machine's group")
         return ordered
+
+    def _waiting(self, peer: Peer, expect: int, waited_s: float) -> str:
+        """What a node that waits for its members lacks, for people."""
+        of = f"{waited_s:.0f} s of --startup-timeout {self.config.startup_timeout:g}"
+        if not peer.membership.joined.is_set():
+            contacts = ", ".join(self.config.bootstrap) or f"beacons on UDP port {self.config.beacon}"
+            return f"{peer.node_id} waiting to join through {contacts} ({of})"
+        have = sorted(peer.members())
+        return (
+            f"{peer.node_id} waiting for {expect - len(have)} more member(s) of --expect {expect} "
+            f"(have: {', '.join(have)}; {of})"
+        )
 
     def come_in(
         self,

@@ -15,16 +15,17 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from importlib import metadata
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gossip import GossipOptimizer
 from gossip.phases import PHASES
-from p2p import Peer
+
+if TYPE_CHECKING:  # (StatusServerError, which the command line catches, comes from this room)
+    from gossip import GossipOptimizer
+    from p2p import Peer
 
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -107,7 +108,7 @@ def _build_info() -> Metric:
     info = GaugeMetricFamily(
         "gossipmesh_build_info", "Versions this node runs", labels=["version", "python", "torch"]
     )
-    info.add_metric([metadata.version("gossipmesh"), platform.python_version(), torch.__version__], 1)
+    info.add_metric([metadata.version("gossipmesh"), platform.python_version(), metadata.version("torch")], 1)
     return info
 
 

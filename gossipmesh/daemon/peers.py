@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,7 +20,7 @@ from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.local_ranks import rank_endpoint
 from gossipmesh.logs import NODE_LOGGER
 from p2p import LocalRankPeer, Peer
-from p2p.address import split_endpoint
+from p2p.address import default_name, split_endpoint
 from p2p.membership.protocol import PROFILES
 from p2p.security.curve import Curve, insecure_warning
 from p2p.wire import Limits
@@ -143,9 +142,3 @@ def default_id(listen: str) -> str:
     """HOSTNAME-PORT, made a valid node id."""
     _, port = split_endpoint(listen)
     return f"{default_name()}-{port or os.getpid()}"
-
-
-def default_name() -> str:
-    """This host's name, made valid as a node id (and a key file name)."""
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40]
-    return host.strip("-.") or "node"

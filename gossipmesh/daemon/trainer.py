@@ -154,7 +154,7 @@ class Trainer:
         shard = self.task.shard(shard_index, shards, partition=config.partition, seed=config.seed)
         progress.shard = shard.describe(config.partition)
         pacer = StepPacer(config.compute_ms, config.slowdown)
-        budget = config.step_budget
+        budget = config.steps  # (None: until --duration, or until stopped)
         deadline = config.duration if config.duration else math.inf  # on the report clock: a late
         # joiner of a mesh stops when the others do
         progress.t_first_step = round(self.clock(), 3)

@@ -167,7 +167,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     ``node_main`` is the daemon's command-line entry point, called in each forked node.
     """
     stream = stream or sys.stdout
-    preload_for_nodes()
+    config = config.bounded()
     run_dir = config.run_dir or Path("runs") / time.strftime("mesh-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path = config.report or run_dir / "report.json"
@@ -177,6 +177,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
         file=stream,
         flush=True,  # a buffered line would be written again by every forked node
     )
+    preload_for_nodes()  # (torch: seconds, after the line above says what is starting)
     stop = threading.Event()
     with _hosts(config) as hosts, _forward_termination(stop):
         average = AverageModel(config)
@@ -207,6 +208,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     _print_summary(stream, mesh.nodes, results, report, report_path)
     if config.plot != "none":
         plot_path = report_path.with_suffix(".png") if config.plot == "auto" else Path(config.plot)
+        print(f"writing plot {plot_path}...", file=stream, flush=True)  # (matplotlib takes seconds)
         report_view.plot(report, plot_path)
         print(f"plot: {plot_path}", file=stream, flush=True)
     return 0 if len(ended) == len(results) else 1

@@ -119,9 +119,15 @@ def averaging(
     return build
 
 
-def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimResult:
+def simulate(
+    scenario: Scenario,
+    build: NodeFactory,
+    model_nbytes: int,
+    on_round: Callable[[int], None] = lambda _: None,
+) -> SimResult:
     """Run ``scenario`` with nodes made by ``build``; ``model_nbytes`` is the size of one node's
-    parameters in memory (the wire size is ``scenario.model_bytes`` when given)."""
+    parameters in memory (the wire size is ``scenario.model_bytes`` when given). ``on_round(r)``
+    is called each time a node has taken its round ``r`` (counting from 1), for progress."""
     started = time.perf_counter()
     clock = VirtualClock()
     network = VirtualNetwork(
@@ -157,6 +163,7 @@ def simulate(scenario: Scenario, build: NodeFactory, model_nbytes: int) -> SimRe
                 accuracy = node.accuracy() if node.accuracy else None
                 history[r].append((node.params.copy(), peer.bytes_sent, clock.now, accuracy))
                 ends.append(clock.now)
+                on_round(r + 1)
 
         clock.spawn(name, name, main)
 

@@ -20,10 +20,23 @@ from gossipmesh.tasks.base import (
     device_of,
     partition_indices,
 )
-from gossipmesh.tasks.charlm import CharLMTask
-from gossipmesh.tasks.digits import DigitsTask
 
-TASKS: dict[str, Callable[[], Task]] = {"digits": DigitsTask, "charlm": CharLMTask}
+
+def _built_in(module_name: str, class_name: str) -> Callable[[], Task]:
+    """A built-in task's factory that imports its module (and torch) when it makes the task,
+    not when a --task is parsed."""
+
+    def make() -> Task:
+        task: Task = getattr(importlib.import_module(f"gossipmesh.tasks.{module_name}"), class_name)()
+        return task
+
+    return make
+
+
+TASKS: dict[str, Callable[[], Task]] = {
+    "digits": _built_in("digits", "DigitsTask"),
+    "charlm": _built_in("charlm", "CharLMTask"),
+}
 
 
 class TaskError(ValueError):

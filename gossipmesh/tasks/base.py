@@ -6,13 +6,16 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
-from torch import nn
 
 from topologies.spec import Params, Spec, number
+
+if TYPE_CHECKING:  # (a config holds a Precision and a DataPartition before it trains: torch is
+    # imported where a model or a batch is made, not where a --dtype is parsed)
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class Precision:
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The autocast dtype, or None for a float32 model."""
+        import torch
+
         return {"float32": None, "float16": torch.float16}.get(self.name, torch.bfloat16)
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -86,11 +91,13 @@ class Precision:
         if self.name == "mixed":
             for param in model.parameters():
                 if param.ndim >= 2:
-                    param.data = param.data.to(torch.bfloat16)
+                    param.data = param.data.to(self.compute_dtype)
         return model
 
     def autocast(self, device: torch.device) -> AbstractContextManager[object]:
         """The context a forward pass of the model runs in."""
+        import torch
+
         dtype = self.compute_dtype
         return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
@@ -129,10 +136,10 @@ class Batches:
             raise ValueError("this node's shard has no examples; use fewer nodes or a larger ALPHA")
         self._shard = shard
         self._size = min(batch_size, len(shard))
+        import torch
+
         self._generator = torch.Generator().manual_seed(seed)
-        self._pass_start = self._generator.get_state()
-        self._order = torch.randperm(len(shard), generator=self._generator)
-        self._used = 0
+        self._new_pass()
         self.drawn = 0  # batches drawn by this object (not skipped)
         if resume is not None:
             state, used = resume
@@ -164,6 +171,8 @@ class Batches:
         return self._pass_start.clone(), self._used
 
     def _new_pass(self) -> None:
+        import torch
+
         self._pass_start = self._generator.get_state()
         self._order = torch.randperm(len(self._shard), generator=self._generator)
         self._used = 0

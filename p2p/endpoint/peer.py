@@ -20,6 +20,10 @@ from p2p.security.curve import Curve
 from p2p.transport.network_thread import Transport, TransportError
 from p2p.wire import Limits
 
+#: how long a node whose key every bootstrap address refused waits before it gives up (a key
+#: copied into their --trusted folder meanwhile still lets it in, at its next join attempt)
+REFUSED_PATIENCE_S = 5.0
+
 
 class Peer(Endpoint):
     """Args are those of :class:`~p2p.transport.network_thread.Transport`, plus ``bootstrap``
@@ -114,11 +118,15 @@ class Peer(Endpoint):
         its own :meth:`start_at_round` is applied on the network thread), or ``cancelled()``;
         raise TransportError after ``timeout``."""
         deadline = time.monotonic() + timeout
+        refused_since = None  # when every bootstrap address had refused this node's key
         while not self._ready(expect, round):
             self.transport.check_running()
             if cancelled():
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if refused_since is None and self._refused_everywhere():
+                refused_since = now
+            if now >= deadline or (refused_since is not None and now - refused_since >= REFUSED_PATIENCE_S):
                 raise TransportError(self._not_ready(timeout, expect, round))
             if self.membership.joined.is_set():  # (a set event returns at once: no busy loop,
                 time.sleep(0.05)  # which starved the network and ZAP threads of the GIL)
@@ -178,8 +186,32 @@ class Peer(Endpoint):
         if self.beacon is not None:
             self.beacon.close()
 
+    def _refused_everywhere(self) -> bool:
+        """Whether every bootstrap address refused this node's key before it joined."""
+        refused = dict(self.transport.connections.refused)  # (a copy: the network thread counts)
+        return (
+            bool(self.bootstrap)
+            and not self.membership.joined.is_set()
+            and set(self.bootstrap) <= refused.keys()
+        )
+
+    def _refusals(self) -> str | None:
+        """Why joining failed when peers refused this node's key (for people), or None."""
+        refused, curve = dict(self.transport.connections.refused), self.transport.curve
+        if not refused or curve is None:
+            return None
+        where = ", ".join(sorted(refused))
+        public = curve.keys.file.with_suffix(".key") if curve.keys.file else "its public .key"
+        return (
+            f"{sum(refused.values())} handshakes refused for untrusted keys: {where} does not trust "
+            f"this node's key {curve.keys.public.decode()}; copy {public} into the --trusted folder there"
+        )
+
     def _not_ready(self, timeout: float, expect: int, round: int | None) -> str:
         if not self.membership.joined.is_set():
+            refusals = self._refusals()
+            if refusals is not None:
+                return f"could not join: {refusals}"
             reason = self.membership.join_error or "no member answered"
             where = (
                 ", ".join(self.bootstrap) or f"beacons on UDP port {self.beacon.port if self.beacon else 0}"

@@ -51,7 +51,7 @@ from typing import Any
 
 from p2p.address import AddressError, parse_member_address
 from p2p.membership.contacts import Contacts
-from p2p.membership.messages import (
+from p2p.membership.kinds import (
     ACK,
     GOSSIP,
     KINDS,

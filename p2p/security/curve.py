@@ -41,13 +41,21 @@ class SecurityError(ValueError):
     """Keys that cannot be used; the message says what to run or pass instead."""
 
 
+class KeyExistsError(SecurityError):
+    """A key file that :func:`keygen` would overwrite."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} exists; remove it first or pick another --name")
+        self.path = path
+
+
 def keygen(folder: Path, name: str) -> tuple[Path, Path]:
     """Make a key pair ``folder/NAME.key`` and ``folder/NAME.key_secret`` (never overwrites)."""
     folder.mkdir(parents=True, exist_ok=True)
     public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
     for path in (public, secret):
         if path.exists():
-            raise SecurityError(f"{path} exists; remove it first or pick another --name")
+            raise KeyExistsError(path)
     zmq.auth.create_certificates(folder, name)
     secret.chmod(0o600)
     return public, secret
@@ -55,21 +63,26 @@ def keygen(folder: Path, name: str) -> tuple[Path, Path]:
 
 @dataclass(frozen=True)
 class NodeKeys:
-    """This node's key pair (z85)."""
+    """This node's key pair (z85), and the secret file it was read from."""
 
     public: bytes
     secret: bytes
+    file: Path | None = None
 
     @classmethod
     def load(cls, folder: Path, node_id: str) -> NodeKeys:
         """``folder/NODE_ID.key_secret``, or the only ``*.key_secret`` in ``folder``."""
         own = folder / f"{node_id}.key_secret"
         candidates = [own] if own.exists() else sorted(folder.glob("*.key_secret"))
-        if len(candidates) != 1:
-            found = "none" if not candidates else ", ".join(p.name for p in candidates)
+        if len(candidates) > 1:
             raise SecurityError(
-                f"--keys {folder}: expected {own.name} or exactly one *.key_secret, found {found}; "
-                f"make one with: gossipmesh keygen {folder} --name {node_id}"
+                f"--keys {folder}: found {', '.join(p.name for p in candidates)} and no {own.name}; "
+                "pass --id NAME to use NAME.key_secret, or keep one pair there"
+            )
+        if not candidates:
+            raise SecurityError(
+                f"--keys {folder}: found no *.key_secret; make one with: gossipmesh keygen {folder} "
+                f"--name {node_id}"
             )
         try:
             public, secret = zmq.auth.load_certificate(candidates[0])
@@ -77,7 +90,7 @@ class NodeKeys:
             raise SecurityError(f"cannot read the key pair {candidates[0]}: {exc}") from None
         if secret is None:
             raise SecurityError(f"{candidates[0]} holds no secret key; make a pair with gossipmesh keygen")
-        return cls(public, secret)
+        return cls(public, secret, candidates[0])
 
 
 class TrustedKeys:
@@ -179,7 +192,12 @@ class _TrustedProvider:
             self.refused += 1
             shown = key.decode(errors="replace")
             self._log.warning(
-                shown, "refused a connection with untrusted key %s (%d refused)", shown, self.refused
+                shown,
+                "refused a connection with untrusted key %s: it is not in --trusted %s; copy that "
+                "node's public .key there to admit it (%d refused)",
+                shown,
+                self.trusted.folder,
+                self.refused,
             )
         return allowed
 

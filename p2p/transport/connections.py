@@ -39,12 +39,13 @@ from __future__ import annotations
 import errno
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from p2p.address import INBOUND, inbound_id
 from p2p.security.curve import Curve, configure_client
@@ -84,6 +85,8 @@ class Connection:
     up: bool = False  # a message went out on it (then a failed send means the peer is gone)
     routed: bool = False  # to an inbound:// address, over the ROUTER...
     route: bytes | None = None  # ...along this routing id (None: none heard yet)
+    # CURVE: the peer's ZAP handler refusing this node's key reaches a client only as an event
+    monitor: zmq.Socket[bytes] | None = None
 
     def send(self, frames: list[Any]) -> None:
         """Send without blocking: ``zmq.Again`` when the peer's queue is full (or a route is
@@ -157,6 +160,8 @@ class Connections:
         self._clock = clock
         self._open: OrderedDict[Target, Connection] = OrderedDict()  # least recently used first
         self.evicted = 0
+        self.refused: Counter[str] = Counter()  # handshakes refused for this node's key, by address
+        self._monitored: dict[zmq.Socket[bytes], str] = {}  # a DEALER's monitor -> its address
 
     def __len__(self) -> int:
         return len(self._open)
@@ -265,6 +270,18 @@ class Connections:
             return []
         return [(t, c) for t, c in self._open.items() if events.get(c.socket, 0) & zmq.POLLIN]
 
+    def read_refusals(self, events: dict[Any, int]) -> None:
+        """Count the handshakes that peers refused for this node's key (their --trusted lacks it)."""
+        for socket in events:
+            address = self._monitored.get(socket)
+            while address is not None:
+                try:
+                    event = recv_monitor_message(socket, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.refused[address] += 1
+
     def forget_route(self, target: Target) -> None:
         """The route to an ``inbound://`` target failed: its connection has closed."""
         if inbound_id(target[0]) is not None:
@@ -311,8 +328,12 @@ class Connections:
             self._evict(next(iter(self._open)))
         address, key, lane = target
         socket = self._context.socket(zmq.DEALER)
+        monitor = None
         if self._curve is not None:
             configure_client(socket, self._curve.keys, key)
+            monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._monitored[monitor] = address
+            self._poller.want(monitor, zmq.POLLIN)
         lane_suffix = f"/{lane}" if lane else ""  # (the receiver keeps each lane's seqs apart)
         socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}{lane_suffix}".encode())
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
@@ -321,12 +342,13 @@ class Connections:
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         socket.setsockopt(zmq.SNDHWM, LANE_QUEUE if lane else self._send_queue)
         socket.setsockopt(zmq.LINGER, self._linger_ms)
+        connection = Connection(socket, now, now, verified, monitor=monitor)
         try:
             socket.connect(address)
         except zmq.ZMQError:  # an address ZeroMQ cannot dial: no socket is left behind
-            socket.close(linger=0)
+            self._close_sockets(connection, linger_ms=0)
             raise
-        connection = self._open[target] = Connection(socket, now, now, verified)
+        self._open[target] = connection
         if self._receives:
             self._poller.want(socket, zmq.POLLIN)
         return connection
@@ -339,8 +361,16 @@ class Connections:
         connection = self._open.pop(target)
         self._on_close(target, connection)
         if not connection.routed:  # (a route's socket is the ROUTER: it stays)
-            self._poller.unwant(connection.socket, zmq.POLLIN | zmq.POLLOUT)
-            connection.socket.close(linger=linger_ms)
+            self._close_sockets(connection, linger_ms=linger_ms)
+
+    def _close_sockets(self, connection: Connection, *, linger_ms: int) -> None:
+        self._poller.unwant(connection.socket, zmq.POLLIN | zmq.POLLOUT)
+        if connection.monitor is not None:
+            del self._monitored[connection.monitor]
+            self._poller.unwant(connection.monitor, zmq.POLLIN)
+            connection.socket.disable_monitor()
+            connection.monitor.close(linger=0)
+        connection.socket.close(linger=linger_ms)
 
 
 def _route_key(target: Target) -> tuple[str, str]:

@@ -446,6 +446,7 @@ class Transport:
             self._drain(router)
         for target, connection in self.connections.readable(events):
             self._drain_replies(target, connection)
+        self.connections.read_refusals(events)
         if self._wake_r in events:
             self._drain_wakeups()
         for fd, on_readable in self._readers.items():
