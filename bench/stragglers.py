@@ -3,7 +3,9 @@
 One invocation runs, for each slowdown, the same task, model, per-example learning rate and node
 count on every arm:
 
-- ``ddp``: torch.distributed DistributedDataParallel, gloo backend (allreduce of gradients).
+- ``ddp``: torch.distributed DistributedDataParallel, gloo backend (allreduce of gradients). The
+  emulated compute stands for a forward and backward pass, with which DDP overlaps its
+  allreduce (its buckets go out as backward produces them): a step lasts the longer of the two.
 - each gossipmesh algorithm (``dpsgd``, ``sgp``, ``adpsgd``), as a real local mesh.
 
 Every process uses one torch thread and the same step pacer: each step lasts at least
@@ -109,8 +111,8 @@ def ddp_worker(
         started = time.monotonic()
         loss = task.loss(model, inputs, targets)  # forward
         optimizer.zero_grad()
-        pacer.finish_step(started)  # the emulated compute, before backward's allreduce
-        loss.backward()
+        loss.backward()  # (with DDP's allreduce)
+        pacer.finish_step(started)  # the emulated compute, the allreduce overlapped with it
         optimizer.step()
     if rank == 0:
         out.send(timeline)
