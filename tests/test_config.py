@@ -27,6 +27,7 @@ from gossipmesh.config import (
     load,
     summary,
 )
+from gossipmesh.config.configs import in_flags
 from gossipmesh.config.options import Option, flag, option_of
 from gossipmesh.mesh import netns
 from gossipmesh.tasks import DataPartition
@@ -386,3 +387,24 @@ def test_namespace_hosts_where_none_can_be_made_is_a_one_line_error(
     assert capsys.readouterr().err.splitlines()[-1] == (
         "gossipmesh: error: --hosts netns: network namespaces need root; run as root, or use --hosts local"
     )
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        ("keys=/etc/k: found a.key_secret and b.key_secret", "--keys /etc/k: found"),
+        ("copy b.key into the trusted= folder there", "into the --trusted folder there"),
+        ("lower expect=, or raise timeout=", "lower --expect, or raise --startup-timeout"),
+        (
+            "compression=topk:0.01 needs algorithm=choco: sgp sends",
+            "--compression topk:0.01 needs --algorithm choco:",
+        ),
+        (
+            "pass listen= with port 0 (e.g. tcp://127.0.0.1:0)",
+            "pass --listen with port 0 (e.g. tcp://127.0.0.1:0)",
+        ),
+        ("use dpsgd, choco or sgp:overlap=0", "use dpsgd, choco or sgp:overlap=0"),  # not an argument
+    ],
+)
+def test_the_command_line_says_the_librarys_arguments_as_flags(message: str, shown: str) -> None:
+    assert shown in in_flags(message)

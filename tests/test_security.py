@@ -69,7 +69,7 @@ def test_missing_or_ambiguous_keys_say_what_to_run(tmp_path: Path) -> None:
         NodeKeys.load(tmp_path, "x")
     keygen(tmp_path, "a")
     keygen(tmp_path, "b")
-    with pytest.raises(SecurityError, match=r"a\.key_secret, b\.key_secret and no c\.key_secret; pass --id"):
+    with pytest.raises(SecurityError, match=r"a\.key_secret, b\.key_secret and no c\.key_secret; give node_id="):
         NodeKeys.load(tmp_path, "c")
     assert NodeKeys.load(tmp_path, "b") == NodeKeys.load(tmp_path, "b")
     (tmp_path / "empty").mkdir()
@@ -177,7 +177,7 @@ def test_a_refused_key_is_named_on_both_sides(tmp_path: Path, caplog: pytest.Log
         b.close()
     message = str(refused.value)
     assert re.search(rf"\d+ handshakes refused for untrusted keys: {a_address} does not trust", message)
-    assert key_of_b in message and f"copy {public} into the --trusted folder there" in message
+    assert key_of_b in message and f"copy {public} into the trusted= folder there" in message
     logged = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
     assert logged and key_of_b in logged[0] and f"not in --trusted {trusted_by_a}" in logged[0]
 

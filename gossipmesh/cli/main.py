@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 from gossipmesh import report_view
 from gossipmesh.cli import simulate, topology_view
 from gossipmesh.config import ConfigError, NodeConfig, Options, add_options, from_namespace
-from gossipmesh.config.configs import KeygenConfig, MeshConfig, ReportConfig, SimulateConfig, TopologyConfig
+from gossipmesh.config.configs import (
+    KeygenConfig,
+    MeshConfig,
+    ReportConfig,
+    SimulateConfig,
+    TopologyConfig,
+    in_flags,
+)
 from gossipmesh.report import read_json
 from p2p.address import default_name
 
@@ -124,7 +131,7 @@ def main(argv: Sequence[str] | None, *, run_node: Callable[[NodeConfig], int], n
         # that, importing the network's modules to print the help)
         if not isinstance(exc, user_errors()):
             raise
-        print(f"gossipmesh: error: {exc}", file=sys.stderr)
+        print(f"gossipmesh: error: {in_flags(str(exc))}", file=sys.stderr)  # (the library's words)
         return 1
 
 

@@ -11,6 +11,7 @@ which graph, codec and robust rule live with the algorithms (``gossip.Algorithm.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -30,11 +31,38 @@ if TYPE_CHECKING:  # (configs are read and checked before a command knows it tra
     from gossip import GossipOptimizer
 
 #: GossipOptimizer's arguments that a command line spells otherwise (the rest: ``--name``)
-_FLAG_OF_ARGUMENT = {"outer_lr": "--local-steps", "local_group": "--local-ranks"}
-_ARGUMENT = re.compile(
-    r"\b(algorithm|topology|compression|robust|average_every|outer_lr|outer_momentum"
-    r"|quasi_global_momentum|mix_momentum|local_group)=([\w.]+(?::[^\s]+)?)?"
-)
+#: the library's arguments its messages name (``compression=int8``, ``trusted=``), and the flags
+#: that set them: GossipOptimizer's, Peer's and its keys'
+FLAG_OF_ARGUMENT = {
+    **{
+        name: o.flag(name)
+        for name in (
+            *("algorithm", "topology", "compression", "robust", "average_every", "outer_momentum"),
+            *("quasi_global_momentum", "mix_momentum", "bootstrap", "listen", "advertise", "expect"),
+            *("keys", "trusted", "name"),
+        )
+    },
+    "outer_lr": "--local-steps",  # the outer step is what --local-steps gives
+    "local_group": "--local-ranks",
+    "timeout": "--startup-timeout",  # Peer.wait_ready's
+    "node_id": "--id",
+}
+_ARGUMENT = re.compile(rf"\b({'|'.join(FLAG_OF_ARGUMENT)})=((?:[^\s;,()]*[^\s;,():])?)")
+
+
+def in_flags(message: str, renamed: Mapping[str, str] | None = None) -> str:
+    """A message of the library in the command line's words: the arguments it names
+    (``name=value``, ``name=``) become the flags that set them (``--name value``, ``--name``);
+    ``renamed``: flags that differ for this command's options."""
+
+    def flag_of(match: re.Match[str]) -> str:
+        name, value = match[1], match[2]
+        spelt = (renamed or {}).get(name, FLAG_OF_ARGUMENT[name])
+        return f"{spelt} {value}" if value else spelt
+
+    return _ARGUMENT.sub(flag_of, message)
+
+
 DEFAULT_STEPS = 600  # a local test mesh's steps per node when given neither --steps nor --duration
 MAX_MESH_NODES = 256
 
@@ -115,16 +143,8 @@ class Averaging(Options):
                 raise ConfigError(self.in_flags(str(exc))) from None
 
     def in_flags(self, message: str) -> str:
-        """A message of the library in the command line's words: its arguments (``name=value``,
-        ``name=``) become the flags that set them (``--name value``, ``--name``)."""
-        renamed = {**_FLAG_OF_ARGUMENT, **({"average_every": "--local-steps"} if self.local_steps else {})}
-
-        def flag_of(match: re.Match[str]) -> str:
-            name, value = match[1], match[2]
-            spelt = renamed.get(name, o.flag(name))
-            return f"{spelt} {value}" if value else spelt
-
-        return _ARGUMENT.sub(flag_of, message)
+        """A message of the library in these options' words (see :func:`in_flags`)."""
+        return in_flags(message, {"average_every": "--local-steps"} if self.local_steps else None)
 
     @property
     def graph(self) -> Topology:

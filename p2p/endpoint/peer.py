@@ -72,7 +72,7 @@ class Peer(Endpoint):
         )
         if listen is None and (beacon_port or not bootstrap):
             raise TransportError(
-                "a node that does not listen can only join through --bootstrap (no member could "
+                "a node that does not listen can only join through bootstrap= (no member could "
                 "reach it from a beacon, and it cannot start a mesh)"
             )
         self.bootstrap = list(bootstrap)
@@ -204,7 +204,7 @@ class Peer(Endpoint):
         public = curve.keys.file.with_suffix(".key") if curve.keys.file else "its public .key"
         return (
             f"{sum(refused.values())} handshakes refused for untrusted keys: {where} does not trust "
-            f"this node's key {curve.keys.public.decode()}; copy {public} into the --trusted folder there"
+            f"this node's key {curve.keys.public.decode()}; copy {public} into the trusted= folder there"
         )
 
     def _not_ready(self, timeout: float, expect: int, round: int | None) -> str:
@@ -218,10 +218,10 @@ class Peer(Endpoint):
             )
             return (
                 f"could not join through {where} within {timeout:g} s ({reason}); "
-                "check that a node runs there and is reachable, or raise --startup-timeout"
+                "check that a node runs there and is reachable, or raise timeout="
             )
         what = "joined" if round is None else f"were ready to train round {round}"
         return (
             f"only {len(self.members(round))} of the {expect} expected members {what} within "
-            f"{timeout:g} s; start the others, lower --expect, or raise --startup-timeout"
+            f"{timeout:g} s; start the others, lower expect=, or raise timeout="
         )

@@ -45,7 +45,7 @@ class KeyExistsError(SecurityError):
     """A key file that :func:`keygen` would overwrite."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(f"{path} exists; remove it first or pick another --name")
+        super().__init__(f"{path} exists; remove it first or pick another name=")
         self.path = path
 
 
@@ -76,12 +76,12 @@ class NodeKeys:
         candidates = [own] if own.exists() else sorted(folder.glob("*.key_secret"))
         if len(candidates) > 1:
             raise SecurityError(
-                f"--keys {folder}: found {', '.join(p.name for p in candidates)} and no {own.name}; "
-                "pass --id NAME to use NAME.key_secret, or keep one pair there"
+                f"keys={folder}: found {', '.join(p.name for p in candidates)} and no {own.name}; "
+                "give node_id=NAME to use NAME.key_secret, or keep one pair there"
             )
         if not candidates:
             raise SecurityError(
-                f"--keys {folder}: found no *.key_secret; make one with: gossipmesh keygen {folder} "
+                f"keys={folder}: found no *.key_secret; make one with: gossipmesh keygen {folder} "
                 f"--name {node_id}"
             )
         try:
@@ -99,7 +99,7 @@ class TrustedKeys:
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
             raise SecurityError(
-                f"--trusted {folder} is not a folder; put the public .key file of every node "
+                f"trusted={folder} is not a folder; put the public .key file of every node "
                 "allowed in the mesh there"
             )
         self.folder = folder
@@ -110,7 +110,7 @@ class TrustedKeys:
         self._folder_time: int | None = None
         self.current()
         if not self._keys:
-            raise SecurityError(f"--trusted {folder} holds no .key files; copy the nodes' public keys there")
+            raise SecurityError(f"trusted={folder} holds no .key files; copy the nodes' public keys there")
 
     def current(self) -> frozenset[bytes]:
         """The trusted public keys (z85), re-read if any key file was added, removed or changed."""

@@ -163,7 +163,7 @@ class Transport:
             raise TransportError(f"streams must be in 1..{MAX_LANES - 1}, got {streams}")
         self.curve = curve
         if listen is None and advertise:
-            raise TransportError("a node that does not listen has no address to advertise; drop --advertise")
+            raise TransportError("a node that does not listen has no address to advertise; drop advertise=")
         self.listen = None if listen is None else parse_endpoint(listen)
         self.limits = limits
         self.stats = TransportStats()
@@ -643,7 +643,7 @@ def _user_id(frame: zmq.Frame) -> str:
 def _bind_error(listen: str, exc: zmq.ZMQError) -> TransportError:
     if exc.errno == errno.EADDRINUSE:
         return TransportError(
-            f"{listen} is in use; stop the process holding it or pass --listen with port 0 "
+            f"{listen} is in use; stop the process holding it or pass listen= with port 0 "
             "(e.g. tcp://127.0.0.1:0) to pick a free one"
         )
     return TransportError(
