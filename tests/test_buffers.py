@@ -41,6 +41,7 @@ class DigitsCNN(DigitsTask):
 def test_the_averaged_buffers_are_the_float_ones_of_the_state_dict() -> None:
     model = DigitsCNN().model(0)
     model.register_buffer("scale", torch.ones(3), persistent=False)  # derived: not state
+    model.register_buffer("causal", torch.full((2, 2), -torch.inf).triu(1))  # a mask, not a statistic
     batch_norm = model[2]
     assert averaged_buffers(model) == [batch_norm.running_mean, batch_norm.running_var]
 

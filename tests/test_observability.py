@@ -93,6 +93,7 @@ def test_charlm_mesh_metrics_move_and_the_report_is_plotted(tmp_path: Path) -> N
         assert set(node["phase_seconds"]) == set(PHASES) and node["phase_seconds"]["compute"] > 0
         assert node["shard"]["partition"] == "iid" and node["shard"]["examples"] > 4000
         assert any(point["consensus"] for point in node["timeline"])
+        assert not node["rejected_by_reason"], node["rejected_by_reason"]  # every value mixed in
     plot = tmp_path / "report.png"
     assert f"plot: {plot}" in output
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 30_000

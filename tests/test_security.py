@@ -69,7 +69,7 @@ def test_missing_or_ambiguous_keys_say_what_to_run(tmp_path: Path) -> None:
         NodeKeys.load(tmp_path, "x")
     keygen(tmp_path, "a")
     keygen(tmp_path, "b")
-    with pytest.raises(SecurityError, match=r"a\.key_secret, b\.key_secret and no c\.key_secret; give node_id="):
+    with pytest.raises(SecurityError, match=r"b\.key_secret and no c\.key_secret; give node_id="):
         NodeKeys.load(tmp_path, "c")
     assert NodeKeys.load(tmp_path, "b") == NodeKeys.load(tmp_path, "b")
     (tmp_path / "empty").mkdir()

@@ -210,14 +210,16 @@ class DPSGD(Averager):
         if message.kind not in self.kinds:
             self.rejected["unexpected_kind"] += 1
             return
-        self._heard_from(sender)  # (late or early, it is sending again: wait for it)
         self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
-        elif message.round > r:
-            self._early_pieces[message.round].append(message)
-        elif message.round < r:
-            self.dropped["stale"] += 1
+            return
+        if message.round != r:  # checked when its round comes, or too late: it is sending again
+            self._heard_from(sender)
+            if message.round > r:
+                self._early_pieces[message.round].append(message)
+            else:
+                self.dropped["stale"] += 1
         elif sender not in row.receive_from:
             self.dropped["not_a_neighbour"] += 1
         else:
@@ -227,8 +229,10 @@ class DPSGD(Averager):
                 self.dropped[problem] += 1
             elif problem is not None:
                 self.rejected[problem] += 1
-            elif first:
-                self.staleness.add(0)
+            else:
+                self._heard_from(sender)
+                if first:
+                    self.staleness.add(0)
 
     def _round_row(self, r: int) -> MixingRow:
         """The row of round ``r``: on the complete graph every ``exact_every``-th round."""

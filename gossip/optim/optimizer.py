@@ -65,12 +65,16 @@ class GossipStatistics:
 
 
 def averaged_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    """``model``'s buffers that gossip averages: the floating-point ones of its ``state_dict``."""
+    """``model``'s buffers that gossip averages: the floating-point ones of its ``state_dict``
+    that hold finite values (one holding -inf or NaN is a mask or a sentinel, not a statistic,
+    and no message carrying it would be mixed in)."""
     return [
         buffer
         for module in model.modules()
         for name, buffer in module.named_buffers(recurse=False)
-        if buffer.is_floating_point() and name not in module._non_persistent_buffers_set
+        if buffer.is_floating_point()
+        and name not in module._non_persistent_buffers_set
+        and bool(torch.isfinite(buffer).all())
     ]
 
 
