@@ -12,17 +12,19 @@ import pytest
 import torch
 from helpers import in_background, started_peers
 
-from gossip import CHOCO, DPSGD, GossipOptimizer
+from gossip import CHOCO, DPSGD, Algorithm, GossipOptimizer
 from gossip.algorithms.choco import MAX_PENDING
 from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
 from gossip.messages import CHOCO_FULL as FULL
 from gossip.messages import CHOCO_FULL_REQUEST as FULL_REQUEST
 from gossip.messages import CHOCO_UPDATE as KIND
+from gossip.messages import PARAMS
 from gossip.messages import STATE_REQUEST as REQUEST
 from gossip.state.fetch import fetch_state
 from gossip.state.manifest import MAX_WINDOW, Snapshot, StateTransferError
 from gossip.state.server import MAX_TRANSFERS, STATE_COPIES, StateServer
+from gossip.tuning.auto_period import MAX_H, PeriodAgreement
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
@@ -259,3 +261,33 @@ def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:
             a.start_at_round(2**70)
         a.send("b", "params", 0, [np.zeros(2, np.float32)])
         assert b.recv(5, {"params"}) is not None and a.transport.failure is None
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "kind", "meta"), [("dpsgd", PARAMS, {}), ("choco", KIND, {"codec": "none", "gamma": 1.0})]
+)
+def test_an_agreement_takes_proposals_only_from_messages_its_algorithm_accepted(
+    algorithm: str, kind: str, meta: dict[str, object]
+) -> None:
+    """Issue 29, item 5: b's refused message (NaN) claims H = MAX_H in force; its accepted
+    one claims more than any node's cap. Neither moves a's H; an accepted H = 3 does."""
+    network = MemoryNetwork()
+    a, b = network.join("a"), network.join("b")
+    node = GossipOptimizer(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(SIZE))], lr=0.1),
+        peer=a,
+        algorithm=Algorithm.parse(algorithm),
+        average_every="auto",
+        round_timeout=0.2,
+    )
+    agreement = node.period_agreement
+    assert agreement is not None
+    key, value = PeriodAgreement.meta_key, np.zeros(SIZE, np.float32)
+    b.send("a", kind, 0, [np.full(SIZE, np.nan, np.float32)], {**meta, key: [0, MAX_H, MAX_H]})
+    b.send("a", kind, 0, [value], {**meta, key: [0, 10 * MAX_H, 10 * MAX_H]})
+    node.step()  # round 0
+    assert node.averager.rejected["non_finite"] == 1
+    assert agreement.history == [] and agreement.value_for(1) == 1
+    b.send("a", kind, 1, [value], {**meta, key: [0, 3, 3]})
+    node.step()  # round 1
+    assert agreement.history == [(0, 3)] and agreement.value_for(2) == 3

@@ -236,8 +236,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             mixed, layout = self.flat.array[lo:hi], self.flat.layout.slice(lo, hi)
         else:
             mixed, layout = self.flat.array, self.flat.layout
+        agreeing = AgreeingPeer(timed, agreements) if agreements else None
         self.averager = algorithm.build(
-            AgreeingPeer(timed, agreements) if agreements else timed,
+            agreeing or timed,
             mixed,
             topology=topology,
             round_timeout=round_timeout,
@@ -246,6 +247,8 @@ class GossipOptimizer(torch.optim.Optimizer):
             robust=robust,
             layout=layout,
         )
+        if agreeing is not None:  # (proposals only from messages the algorithm took in)
+            self.averager.on_accepted = agreeing.accepted
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
             if outer_lr is not None
