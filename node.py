@@ -28,7 +28,7 @@ from gossipmesh.cli import main as cli_main
 from gossipmesh.cli.main import USER_ERRORS
 from gossipmesh.config import ConfigError, NodeConfig, summary
 from gossipmesh.console import emit, say
-from gossipmesh.daemon.lifecycle import join_machine, member, share_cores
+from gossipmesh.daemon.lifecycle import join_machine, member, resume, share_cores
 from gossipmesh.daemon.local_ranks import (
     RankPlace,
     gather_rank_records,
@@ -108,8 +108,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             metrics,
             local_group=group,
         )
+        checkpoint = resume(config, checkpoint, trainer.resume)
         if checkpoint is not None:
-            trainer.resume(checkpoint)
             when["resumed_from"] = str(checkpoint.path)
             say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {trainer.steps})")
         transfer = entry.come_in(peer, trainer.optimizer, ordered, cancelled)
