@@ -45,6 +45,9 @@ DPSGD_ALGORITHM = Algorithm("dpsgd")
 AUTO = "auto"  # average_every chosen by the mesh (gossip.tuning.auto_period)
 GOSSIP_STATE = "gossip"  # the key of the gossip state in GossipOptimizer.state_dict()
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
+# the fastest a mesh runs rounds, as a joiner believes a state's rounds_per_s: a round is a
+# message to each neighbour and back, more than a millisecond even on loopback
+MAX_ROUNDS_PER_S = 1000.0
 CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
 
 
@@ -554,7 +557,8 @@ class GossipOptimizer(torch.optim.Optimizer):
     ) -> int:
         """Take the state of ``sources`` (chunks from all of them at once) unless this node
         has trained at least as far (one resumed from its own checkpoint), start a few rounds
-        ahead (time for the mesh to hear), announce that round and return it. Raises
+        ahead (time for the mesh to hear: ``JOIN_LEAD_S`` at the sources' rate of rounds, at
+        most ``MAX_ROUNDS_PER_S``), announce that round and return it. Raises
         StateTransferError (see ``gossip.state.fetch`` for ``patience_s`` and ``cancelled``);
         :attr:`last_transfer` says how it went."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
@@ -569,7 +573,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         )
         if saved_step_count(snapshot.counters) > self.step_count:
             self.restore(snapshot)
-        lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
+        rate = min(snapshot.counters.get("rounds_per_s", 0.0), MAX_ROUNDS_PER_S)
+        lead = math.ceil(rate * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
         self.averager.restart(first_round)
         if self.outer is not None:
