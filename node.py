@@ -48,7 +48,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     import torch
 
     from gossip.buffers.flat import host_vector
-    from gossipmesh.daemon.lifecycle import join_machine, member, share_cores
+    from gossipmesh.daemon.lifecycle import join_machine, member, resume, share_cores
     from gossipmesh.daemon.local_ranks import gather_rank_records
     from gossipmesh.daemon.metrics import NodeMetrics
     from gossipmesh.daemon.status_server import StatusServer
@@ -116,8 +116,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             metrics,
             local_group=group,
         )
+        checkpoint = resume(config, checkpoint, trainer.resume)
         if checkpoint is not None:
-            trainer.resume(checkpoint)
             when["resumed_from"] = str(checkpoint.path)
             say(config.progress, f"{node_id} resumed from {checkpoint.path} (step {trainer.steps})")
         transfer = entry.come_in(peer, trainer.optimizer, ordered, cancelled)

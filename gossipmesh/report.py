@@ -15,7 +15,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class NodeRecord:
     shunned_peers: list[str] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a restarted node resumed from
     checkpoint_failures: int = 0  # checkpoints that could not be written (each retried later)
+    live_params_failures: int = 0  # --live-params copies that could not be written (retried later)
     # a node that joined a running mesh: bytes, seconds, mb_per_s, chunks per source, reasked
     state_transfer: dict[str, Any] = field(default_factory=dict)
     timeline: list[TimelinePoint] = field(default_factory=list)
@@ -90,6 +91,7 @@ class Progress:
     final: dict[str, float] = field(default_factory=dict)  # held-out loss and accuracy at the end
     shard: dict[str, Any] = field(default_factory=dict)
     checkpoint_failures: int = 0  # checkpoints that could not be written (and were tried again)
+    live_params_failures: int = 0  # --live-params copies that could not be written (tried again)
     state_transfer: dict[str, Any] = field(default_factory=dict)  # how a joiner's state arrived
 
 
@@ -122,6 +124,7 @@ def node_record(
         timeline=progress.timeline,
         shard=progress.shard,
         checkpoint_failures=progress.checkpoint_failures,
+        live_params_failures=progress.live_params_failures,
         state_transfer=progress.state_transfer,
         bytes_sent=network.bytes_sent if network else last.bytes_sent if last else 0,
         **when,
@@ -188,12 +191,24 @@ def write_array(path: Path, array: np.ndarray, *, sync: bool = True) -> None:
     cache (a live copy rewritten every second)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as stream:
+    with open_private(tmp) as stream:
         np.save(stream, array, allow_pickle=False)
         if sync:
             stream.flush()
             os.fsync(stream.fileno())
     os.replace(tmp, path)
+
+
+def open_private(path: Path) -> BinaryIO:
+    """``path`` (created, or emptied) for writing, readable by its owner only (0600): model
+    parameters and checkpoints are what the mesh trains, not for every local user to copy."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # (a file left there before keeps its mode through O_CREAT)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def json_safe(value: Any) -> Any:

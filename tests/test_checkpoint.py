@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -14,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import wait_until
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
-from gossipmesh.daemon.checkpoint import KEEP, load_newest, save_checkpoint
+from gossipmesh.daemon.checkpoint import KEEP, SET_ASIDE, load_newest, save_checkpoint
 from node import main
 
 SIZE = 1 << 20
@@ -75,6 +76,41 @@ def test_a_node_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert node["resumed_from"] == str(first.path)
     assert node["steps"] == 100 and node["final"]["accuracy"] > 0.85
     assert node["timeline"][0]["accuracy"] > 0.8  # it went on from the trained model, not from scratch
+
+
+@pytest.mark.mesh
+def test_checkpoints_that_do_not_fit_are_moved_aside_and_the_newest_that_fits_is_resumed(
+    tmp_path: Path,
+) -> None:
+    """Issue 29, item 10: newer checkpoints that read but do not fit (another model's shape,
+    infinite steps, no RNG state) once failed every start; now each is moved aside and the node
+    resumes from the older valid one. Checkpoints and live copies are its owner's alone (0600)."""
+    state = tmp_path / "state"
+    common = ["node", "--insecure", "--listen", "tcp://127.0.0.1:0", "--state-dir", str(state),
+              "--checkpoint-every", "10", "--progress", "none"]  # fmt: skip
+    assert main([*common, "--steps", "30"]) == 0
+    valid = load_newest(state)
+    assert valid is not None and valid.counters["steps"] == 30
+    tensors, counters = dict(valid.tensors), dict(valid.counters)
+    unfit = {
+        40: ({**tensors, "params": tensors["params"][:-2]}, counters),
+        50: (tensors, {**counters, "steps": math.inf}),
+        60: ({k: v for k, v in tensors.items() if k != "rng.torch"}, counters),
+    }
+    for steps, (forged, saved) in unfit.items():
+        save_file(
+            forged, state / f"checkpoint-{steps:012d}.safetensors", metadata={"gossipmesh": json.dumps(saved)}
+        )
+    live = tmp_path / "live.npy"
+    report = tmp_path / "second.json"
+    assert main([*common, "--steps", "40", "--live-params", str(live), "--report", str(report)]) == 0
+    (record,) = json.loads(report.read_text())["nodes"]
+    assert record["resumed_from"] == str(valid.path) and record["steps"] == 40
+    assert sorted(p.name for p in state.glob(f"*{SET_ASIDE}")) == [
+        f"checkpoint-{steps:012d}.safetensors{SET_ASIDE}" for steps in unfit
+    ]
+    for written in [*state.glob("checkpoint-*.safetensors"), live]:
+        assert written.stat().st_mode & 0o777 == 0o600, written
 
 
 def _write_forever(folder: Path) -> None:

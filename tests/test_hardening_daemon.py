@@ -237,7 +237,7 @@ def test_a_checkpoint_that_cannot_be_written_is_counted_and_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A full disk (here: a state folder that cannot be made) does not stop training."""
-    monkeypatch.setattr(gossipmesh.daemon.trainer, "CHECKPOINT_RETRY_S", 0.0, raising=False)
+    monkeypatch.setattr(gossipmesh.daemon.trainer, "WRITE_RETRY_S", 0.0)
     (tmp_path / "a-file").write_text("")
     config = NodeConfig(
         insecure=True,
@@ -250,3 +250,25 @@ def test_a_checkpoint_that_cannot_be_written_is_counted_and_retried(
     record = node.run_node(config, threading.Event())
     assert record.status == "finished" and record.steps == 30
     assert record.checkpoint_failures == 22  # steps 10 to 30 (each failure retried at the next), and the last
+
+
+def test_a_live_params_copy_that_cannot_be_written_is_counted_and_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29, item 11: a directory at the copy's temporary name (IsADirectoryError) once
+    killed the node mid-run; now each timeline point's copy fails, is counted and retried."""
+    monkeypatch.setattr(gossipmesh.daemon.trainer, "WRITE_RETRY_S", 0.0)
+    live = tmp_path / "live.npy"
+    (tmp_path / f".{live.name}.tmp").mkdir()
+    config = NodeConfig(
+        insecure=True,
+        listen="tcp://127.0.0.1:0",
+        steps=30,
+        progress="none",
+        live_params=live,
+        eval_interval=0.05,
+    )
+    record = node.run_node(config, threading.Event())
+    assert record.status == "finished" and record.steps == 30
+    assert record.live_params_failures == len(record.timeline) >= 2  # every point's copy tried
+    assert not live.exists()

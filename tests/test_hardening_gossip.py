@@ -5,24 +5,33 @@ bad source for another (12)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
+from collections.abc import Collection
+from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from helpers import in_background, started_peers
 
-from gossip import CHOCO, DPSGD, GossipOptimizer
+from gossip import CHOCO, DPSGD, Algorithm, GossipOptimizer
 from gossip.algorithms.choco import MAX_PENDING
 from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
 from gossip.messages import CHOCO_FULL as FULL
 from gossip.messages import CHOCO_FULL_REQUEST as FULL_REQUEST
 from gossip.messages import CHOCO_UPDATE as KIND
+from gossip.messages import PARAMS
 from gossip.messages import STATE_REQUEST as REQUEST
+from gossip.network import Envelope, PeerWrapper
+from gossip.optim.optimizer import JOIN_LEAD_S, MAX_ROUNDS_PER_S
 from gossip.state.fetch import fetch_state
 from gossip.state.manifest import MAX_WINDOW, Snapshot, StateTransferError
 from gossip.state.server import MAX_TRANSFERS, STATE_COPIES, StateServer
+from gossip.tuning.auto_period import MAX_H, PeriodAgreement
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.lifecycle import join_running_mesh
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
@@ -259,3 +268,87 @@ def test_a_round_beyond_the_wire_is_refused_where_it_is_announced() -> None:
             a.start_at_round(2**70)
         a.send("b", "params", 0, [np.zeros(2, np.float32)])
         assert b.recv(5, {"params"}) is not None and a.transport.failure is None
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "kind", "meta"), [("dpsgd", PARAMS, {}), ("choco", KIND, {"codec": "none", "gamma": 1.0})]
+)
+def test_an_agreement_takes_proposals_only_from_messages_its_algorithm_accepted(
+    algorithm: str, kind: str, meta: dict[str, object]
+) -> None:
+    """Issue 29, item 5: b's refused message (NaN) claims H = MAX_H in force; its accepted
+    one claims more than any node's cap. Neither moves a's H; an accepted H = 3 does."""
+    network = MemoryNetwork()
+    a, b = network.join("a"), network.join("b")
+    node = GossipOptimizer(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(SIZE))], lr=0.1),
+        peer=a,
+        algorithm=Algorithm.parse(algorithm),
+        average_every="auto",
+        round_timeout=0.2,
+    )
+    agreement = node.period_agreement
+    assert agreement is not None
+    key, value = PeriodAgreement.meta_key, np.zeros(SIZE, np.float32)
+    b.send("a", kind, 0, [np.full(SIZE, np.nan, np.float32)], {**meta, key: [0, MAX_H, MAX_H]})
+    b.send("a", kind, 0, [value], {**meta, key: [0, 10 * MAX_H, 10 * MAX_H]})
+    node.step()  # round 0
+    assert node.averager.rejected["non_finite"] == 1
+    assert agreement.history == [] and agreement.value_for(1) == 1
+    b.send("a", kind, 1, [value], {**meta, key: [0, 3, 3]})
+    node.step()  # round 1
+    assert agreement.history == [(0, 3)] and agreement.value_for(2) == 3
+
+
+class _AnswersFirst(PeerWrapper):
+    """A state source's network that, once it has answered (its manifest), hears nothing more
+    until :attr:`others_answered` is set: its chunks come after the other sources' manifests."""
+
+    def __init__(self, peer: MemoryPeer) -> None:
+        super().__init__(peer)
+        self.answered, self.others_answered = threading.Event(), threading.Event()
+
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        super().send(*args, **kwargs)
+        self.answered.set()
+
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
+        if self.answered.is_set() and not self.others_answered.is_set():
+            return None
+        return super().recv(timeout, kinds)
+
+
+def _join_with_a_liar(honest_sources: int, lie: dict[str, float]) -> int:
+    """The first round a joiner takes from "liar", which answers first with ``lie`` in its
+    counters, and ``honest_sources`` (at round 5 and 10 rounds a second) answering after it."""
+    network = MemoryNetwork()
+    liar = _AnswersFirst(network.join("liar"))
+    honest = [network.join(f"honest-{i}") for i in range(honest_sources)]
+    late = network.join("late")
+    config = NodeConfig(insecure=True, startup_timeout=20)
+    task = config.task.make()
+    joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), late)
+    state = Snapshot({"params": joiner.flat.array.copy()}, {"steps": 7, "round": 5, "rounds_per_s": 10})
+    if not honest:
+        liar.others_answered.set()
+
+    def answer(server: StateServer) -> None:
+        if liar.answered.wait(0.1) and server.serve(0.1):
+            liar.others_answered.set()
+
+    lying = StateServer(liar, Snapshot(state.tensors, {**state.counters, **lie}))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(in_background(lying.serve))
+        for peer in honest:
+            stack.enter_context(in_background(partial(answer, StateServer(peer, state))))
+        assert join_running_mesh(late, joiner, 20, lambda: False) is not None  # type: ignore[arg-type]
+    return joiner.round
+
+
+def test_a_joiner_starts_at_the_round_its_sources_agree_on_not_at_a_liars() -> None:
+    """Issue 29, item 7: a source claiming round = rounds_per_s = 2^53 once made the joiner
+    announce a first round no member would run for ages. Among three sources, the others'
+    counters stand; alone, it can still say any round but no rate beyond MAX_ROUNDS_PER_S."""
+    lead = math.ceil(10 * JOIN_LEAD_S) + 2
+    assert _join_with_a_liar(2, {"round": 2**53, "rounds_per_s": 2**53}) == 5 + lead
+    assert _join_with_a_liar(0, {"rounds_per_s": 2**53}) == 5 + math.ceil(MAX_ROUNDS_PER_S * JOIN_LEAD_S) + 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port
 from test_security import curve_for, curve_peers, make_keys
 
 import p2p.transport.connections
+import p2p.transport.inbound
 import p2p.transport.reassembly
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.peers import make_peer
@@ -402,3 +404,35 @@ def test_refused_handshakes_are_logged_at_a_bounded_rate(
             assert wait_until(lambda: authenticator.refused >= 60, 20)
     refusals = [r for r in caplog.records if "untrusted key" in r.getMessage()]
     assert 1 <= len(refusals) <= 2
+
+
+def test_inbound_connections_are_capped_per_source_address_and_in_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 29, item 8: 2,100 idle TCP connections once used up a node's file descriptors.
+    20 from each of three addresses (caps of 8 an address, 24 in all): each beyond a cap is
+    shut down and counted; once they close, their places are free again and peers talk on."""
+    monkeypatch.setattr(p2p.transport.inbound, "MAX_INBOUND", 24)
+    monkeypatch.setattr(p2p.transport.inbound, "MAX_INBOUND_PER_ADDRESS", 8)
+    with started_peers(["a", "b"]) as (a, b):
+        guard = a.transport.inbound
+        assert guard is not None
+        before = guard.open  # b's
+        host, port = parse_endpoint(a.address).removeprefix("tcp://").rsplit(":", 1)
+        flood = []
+        try:
+            for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
+                for _ in range(20):
+                    connection = socket.socket()
+                    connection.bind((source, 0))
+                    connection.connect((host, int(port)))
+                    flood.append(connection)
+            assert wait_until(lambda: guard.open + guard.refused.total() == before + len(flood), 30)
+            assert guard.open == 24 and guard.refused["too_many_from_address"] == 2 * 12
+            assert guard.refused["too_many_connections"] == len(flood) + before - 24 - 2 * 12
+        finally:
+            for connection in flood:
+                connection.close()
+        assert wait_until(lambda: guard.open == before, 30)
+        b.send("a", "params", 0, [np.zeros(2, np.float32)])
+        assert a.recv(10, {"params"}) is not None

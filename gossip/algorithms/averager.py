@@ -12,7 +12,7 @@ import contextlib
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypedDict
@@ -156,6 +156,9 @@ class Averager:
         self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
         self._last_start: float | None = None
         self._silent: set[str] = set()  # neighbours not waited for until heard from again
+        # told of each message the algorithm took in (the mesh's agreements read what it carries;
+        # dpsgd, sgp and choco tell: the algorithms agreements run with)
+        self.on_accepted: Callable[[Envelope], None] | None = None
 
     def after_step(self) -> RoundStats | None:
         """Called by the training loop after its local steps; returns the round's figures when
@@ -191,6 +194,12 @@ class Averager:
     def _heard_from(self, sender: str) -> None:
         """Any message shows a neighbour is alive: wait for it again."""
         self._silent.discard(sender)
+
+    def _accepted(self, message: Envelope) -> None:
+        """``message`` passed this algorithm's checks and is taken in: only now may what else
+        it carries be read (:attr:`on_accepted`), never from a message the algorithm refused."""
+        if self.on_accepted is not None:
+            self.on_accepted(message)
 
     def _went_silent(self, nodes: Iterable[str]) -> None:
         """Neighbours that sent nothing in time: have the failure detector probe them now (once)

@@ -262,6 +262,7 @@ class CHOCO(Averager):
                 replica.next_round, replica.gamma = message.round + 1, gamma
                 replica.pending = {k: q for k, q in replica.pending.items() if k > message.round}
                 self._catch_up(replica, self.round)
+                self._accepted(message)
             return
         try:
             codec = self.codec.for_message(message.meta)
@@ -278,6 +279,7 @@ class CHOCO(Averager):
             self.dropped["choco_ahead"] += 1  # it would wait for rounds this node is far from
             return
         replica.pending[message.round] = (q, gamma)
+        self._accepted(message)
         self._catch_up(replica, self.round)
         if replica.value is None or replica.has_gap:
             if len(replica.pending) > MAX_PENDING:

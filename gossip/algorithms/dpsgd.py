@@ -233,6 +233,7 @@ class DPSGD(Averager):
                 self._heard_from(sender)
                 if first:
                     self.staleness.add(0)
+                    self._accepted(message)
 
     def _round_row(self, r: int) -> MixingRow:
         """The row of round ``r``: on the complete graph every ``exact_every``-th round."""
@@ -277,15 +278,18 @@ class DPSGD(Averager):
         self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
-        elif message.round == r:
+            return
+        if message.round == r:
             got[sender] = message.tensors
             self.staleness.add(0)
         elif message.round > r:
             self._early[message.round][sender] = message.tensors
         elif r - message.round > self.max_staleness:
             self.dropped["stale"] += 1
+            return
         elif message.round > self._recent.get(sender, (-1, None))[0]:
             self._recent[sender] = (message.round, message.tensors)
+        self._accepted(message)
 
     def _mix(self, own: np.ndarray, row: MixingRow, values: dict[str, tuple[Frames, int]]) -> None:
         """Renormalise the row over the values that came, discount old ones, mix (in the

@@ -140,5 +140,6 @@ class SGP(Averager):
             self.params *= self.weight / total
             add_scaled(self.params, message.tensors[0], float(weight[0]) / total, self._scratch)
         self.weight = total
+        self._accepted(message)
         self._arrived.add((message.sender, message.round))
         self._newest[message.sender] = max(self._newest.get(message.sender, -1), message.round)

@@ -45,6 +45,9 @@ DPSGD_ALGORITHM = Algorithm("dpsgd")
 AUTO = "auto"  # average_every chosen by the mesh (gossip.tuning.auto_period)
 GOSSIP_STATE = "gossip"  # the key of the gossip state in GossipOptimizer.state_dict()
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
+# the fastest a mesh runs rounds, as a joiner believes a state's rounds_per_s: a round is a
+# message to each neighbour and back, more than a millisecond even on loopback
+MAX_ROUNDS_PER_S = 1000.0
 CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
 
 
@@ -240,8 +243,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             mixed, layout = self.flat.array[lo:hi], self.flat.layout.slice(lo, hi)
         else:
             mixed, layout = self.flat.array, self.flat.layout
+        agreeing = AgreeingPeer(timed, agreements) if agreements else None
         self.averager = algorithm.build(
-            AgreeingPeer(timed, agreements) if agreements else timed,
+            agreeing or timed,
             mixed,
             topology=topology,
             round_timeout=round_timeout,
@@ -250,6 +254,8 @@ class GossipOptimizer(torch.optim.Optimizer):
             robust=robust,
             layout=layout,
         )
+        if agreeing is not None:  # (proposals only from messages the algorithm took in)
+            self.averager.on_accepted = agreeing.accepted
         self.outer = (
             OuterNesterov(self.flat.array, lr=outer_lr, momentum=outer_momentum)
             if outer_lr is not None
@@ -555,7 +561,8 @@ class GossipOptimizer(torch.optim.Optimizer):
     ) -> int:
         """Take the state of ``sources`` (chunks from all of them at once) unless this node
         has trained at least as far (one resumed from its own checkpoint), start a few rounds
-        ahead (time for the mesh to hear), announce that round and return it. Raises
+        ahead (time for the mesh to hear: ``JOIN_LEAD_S`` at the sources' rate of rounds, at
+        most ``MAX_ROUNDS_PER_S``), announce that round and return it. Raises
         StateTransferError (see ``gossip.state.fetch`` for ``patience_s`` and ``cancelled``);
         :attr:`last_transfer` says how it went."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
@@ -570,7 +577,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         )
         if saved_step_count(snapshot.counters) > self.step_count:
             self.restore(snapshot)
-        lead = math.ceil(snapshot.counters.get("rounds_per_s", 0.0) * JOIN_LEAD_S) + 2
+        rate = min(snapshot.counters.get("rounds_per_s", 0.0), MAX_ROUNDS_PER_S)
+        lead = math.ceil(rate * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
         self.averager.restart(first_round)
         if self.outer is not None:

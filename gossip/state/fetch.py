@@ -2,7 +2,9 @@
 
 Each source is a lane: its manifest first, then up to ``window`` chunks requested and not yet
 received; every chunk that arrives frees a credit for the next request, so the transfer runs as
-fast as the link and the sources allow and no source queues more than the window. Chunks still
+fast as the link and the sources allow and no source queues more than the window. The state's
+counters (steps, round, rounds_per_s) are what the sources whose manifests arrived agree on
+(``gossip.state.manifest.agreed_counters``), not what the first one says. Chunks still
 owed by a lane that has sent nothing for ``retry_s`` are asked of the lanes that move (or of it
 again); a lane silent for ``patience_s``, or whose answers are bad, is dropped. The transfer
 fails only when no lane is left, or after ``timeout``.
@@ -39,6 +41,7 @@ from gossip.state.manifest import (
     Manifest,
     Snapshot,
     StateTransferError,
+    agreed_counters,
 )
 
 RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
@@ -163,6 +166,9 @@ class _Fetch:
             snapshot = self.assembly.snapshot()
         except ValueError as exc:
             raise StateTransferError(f"state from {', '.join(self.stats.chunks)} rejected: {exc}") from None
+        # the counters as the sources whose manifests are in agree on them, not the reference's alone
+        stated = [lane.manifest.counters for lane in self.lanes.values() if lane.manifest is not None]
+        snapshot = Snapshot(snapshot.tensors, agreed_counters(stated))
         self.stats.bytes, self.stats.seconds = self.assembly.manifest.total, time.monotonic() - started
         return snapshot, self.stats
 

@@ -35,6 +35,7 @@ chunk is pinned on the source that sent it; nothing touches the model before the
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +57,14 @@ MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exac
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int64")
 
 Counters = Mapping[str, float]
+
+
+def agreed_counters(stated: Sequence[Counters]) -> dict[str, float]:
+    """Each counter as the sources of one state state it: the lower median of their values, so
+    one source's lie among three moves no counter, and of two the smaller stands (a joiner that
+    starts behind the mesh catches up; one ahead of every member mixes nothing until they come)."""
+    names = dict.fromkeys(name for counters in stated for name in counters)
+    return {name: statistics.median_low([c[name] for c in stated if name in c]) for name in names}
 
 
 class StateTransferError(RuntimeError):

@@ -5,7 +5,8 @@ options (``average_every="auto"``: H, ``gossip.tuning.auto_period``; ``compressi
 Rounds are grouped in epochs of :data:`EPOCH_ROUNDS`. A node fixes its proposal (from what it
 measured) at the start of an epoch and every averaging message it sends carries, under the
 agreement's meta key, ``[epoch, largest proposal seen for it, value in force]``; each node keeps
-the largest proposal it receives. After an epoch's rounds the largest proposal has reached every
+the largest proposal it receives, from a message its algorithm accepted (:class:`AgreeingPeer`)
+and within its own floor and cap. After an epoch's rounds the largest proposal has reached every
 node within ``EPOCH_ROUNDS - 1`` hops, so on any graph of smaller diameter (a ring of up to 15
 nodes, exponential graphs of any size) every node takes the same value for the next epoch: it is
 part of the round schedule, as the graph is. Where a proposal did not reach a node in time (a
@@ -18,7 +19,7 @@ compression, is what a node on a slow link needs, and the mesh goes at its slowe
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,8 +67,8 @@ class EpochAgreement:
         return [epoch, self._largest.get(epoch, value), value]
 
     def incoming(self, carried: Any) -> None:
-        """Take what a message carried (anything malformed is ignored, and any value is raised
-        to this node's floor: it is a peer's word)."""
+        """Take what an accepted message carried: anything malformed, or beyond this node's cap,
+        is ignored, and any value is raised to this node's floor (it is a peer's word)."""
         if not (isinstance(carried, list) and len(carried) == 3 and type(carried[0]) is int):
             return
         epoch, largest, in_force = carried
@@ -105,7 +106,9 @@ class EpochAgreement:
 
 
 class AgreeingPeer(PeerWrapper):
-    """A ``PeerNetwork`` whose averaging messages carry the node's agreements."""
+    """A ``PeerNetwork`` whose averaging messages carry the node's agreements. What a received
+    message carries is taken only once its algorithm accepted the message (:meth:`accepted`,
+    the averager's ``on_accepted``): a message the algorithm refuses moves no agreement."""
 
     def __init__(self, peer: PeerNetwork, agreements: Sequence[EpochAgreement]) -> None:
         super().__init__(peer)
@@ -128,10 +131,8 @@ class AgreeingPeer(PeerWrapper):
             meta[key] = agreement.outgoing(round)
         self._peer.send(to, kind, round, tensors, meta)
 
-    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
-        message = self._peer.recv(timeout, kinds)
-        if message is not None:
-            for key, agreement in self._agreements.items():
-                if key in message.meta:
-                    agreement.incoming(message.meta[key])
-        return message
+    def accepted(self, message: Envelope) -> None:
+        """Take what ``message``, which the algorithm accepted, carries for each agreement."""
+        for key, agreement in self._agreements.items():
+            if key in message.meta:
+                agreement.incoming(message.meta[key])

@@ -4,9 +4,12 @@ A checkpoint is ``STATE_DIR/checkpoint-STEPS.safetensors``: the tensors (flat pa
 optimizer buffers, RNG and sampler states) in safetensors' format, and the counters as JSON in
 its metadata; nothing is pickled. It is written to a temporary file, fsynced, renamed over its
 final name and the folder fsynced, so a kill at any moment leaves either no new file or a
-complete one; :func:`load_newest` still skips a file it cannot read (a disk error, a file
-copied in by hand) and takes the next older one. The newest ``KEEP`` checkpoints are kept, and
-temporary files that no writer has touched for ``STALE_TMP_S`` (of killed writers) removed.
+complete one. Files are readable by their owner only (0600). A checkpoint that does not read
+back whole (a disk fault, a file copied in by hand), or that the node cannot take (another
+model's, impossible counters, a part missing: :func:`restore_newest`), is moved aside as
+``NAME.bad`` and the next older one tried, so one bad file never stops a node from starting.
+The newest ``KEEP`` checkpoints are kept, and temporary files that no writer has touched for
+``STALE_TMP_S`` (of killed writers) removed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
+from gossipmesh.report import open_private
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -33,6 +38,9 @@ KEEP = 2
 STALE_TMP_S = 600.0  # a writer finishes in seconds: a temporary file this old is a killed one's
 _NAME = re.compile(r"checkpoint-(\d+)\.safetensors\Z")
 _META_KEY = "gossipmesh"
+SET_ASIDE = ".bad"  # the suffix of a checkpoint moved aside
+# what reading or taking a checkpoint raises when the file, not the disk, is at fault
+UNFIT = (ValueError, KeyError, TypeError, OverflowError, RuntimeError, SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ def save_checkpoint(
     data = save({name: np.ascontiguousarray(array) for name, array in tensors.items()}, metadata=metadata)
     tmp = folder / f".{path.name}.{os.getpid()}.tmp"
     try:
-        with tmp.open("wb") as stream:
+        with open_private(tmp) as stream:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
@@ -77,14 +85,51 @@ def _stale_temporaries(folder: Path) -> list[Path]:
     return stale
 
 
-def load_newest(folder: Path) -> Checkpoint | None:
-    """The newest checkpoint in ``folder`` that reads back whole, or None."""
+def load_newest(folder: Path, skip: Collection[Path] = ()) -> Checkpoint | None:
+    """The newest checkpoint in ``folder`` (but those in ``skip``) that reads back whole, or
+    None; one that does not is moved aside (one the disk fails to read is only skipped: the
+    fault may pass)."""
     for path in _checkpoints(folder):
+        if path in skip:
+            continue
         try:
             return _load(path)
-        except (OSError, ValueError, KeyError, SafetensorError) as exc:
-            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+        except OSError as exc:
+            log.warning("skipping checkpoint %s, which cannot be read now: %s", path, exc)
+        except UNFIT as exc:
+            set_aside(path, exc)
     return None
+
+
+def restore_newest(
+    folder: Path, newest: Checkpoint | None, restore: Callable[[Checkpoint], None]
+) -> Checkpoint | None:
+    """Take ``newest`` (of :func:`load_newest`) with ``restore``, or, where it raises (the
+    checkpoint does not fit), move it aside and take the next newest; returns the checkpoint
+    taken (None: none fits). ``restore`` checks a checkpoint before it changes anything."""
+    tried: set[Path] = set()
+    checkpoint = newest
+    while checkpoint is not None:
+        tried.add(checkpoint.path)
+        try:
+            restore(checkpoint)
+        except UNFIT as exc:
+            set_aside(checkpoint.path, exc)
+            checkpoint = load_newest(folder, skip=tried)
+        else:
+            return checkpoint
+    return None
+
+
+def set_aside(path: Path, reason: BaseException) -> None:
+    """Rename the checkpoint ``path`` to ``NAME.bad`` (kept for a look, never loaded again)."""
+    aside = path.with_name(path.name + SET_ASIDE)
+    try:
+        os.replace(path, aside)
+    except OSError as exc:  # (a read-only folder: the caller skips it all the same)
+        log.warning("checkpoint %s cannot be used (%s) nor moved aside: %s", path, reason, exc)
+    else:
+        log.warning("checkpoint %s cannot be used (%s): moved aside to %s", path, reason, aside.name)
 
 
 def _load(path: Path) -> Checkpoint:

@@ -25,12 +25,11 @@ import torch
 
 from gossip import GossipOptimizer
 from gossip.optim.local_group import LocalGroup
-from gossip.optim.optimizer import saved_step_count
 from gossip.state.fetch import RETRY_S, TransferStats
-from gossip.state.manifest import Snapshot, StateTransferError
+from gossip.state.manifest import MAX_COUNTER, Snapshot, StateTransferError
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import say
-from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, save_checkpoint
+from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, restore_newest, save_checkpoint
 from gossipmesh.daemon.local_ranks import (
     RankPlace,
     collective_timeout,
@@ -207,13 +206,42 @@ def save_state(
 
 
 def restore_state(checkpoint: Checkpoint, optimizer: GossipOptimizer) -> None:
-    """Continue from ``checkpoint`` (of :func:`save_state`): model, optimizer, counters, RNG."""
+    """Continue from ``checkpoint`` (of :func:`save_state`): model, optimizer, counters, RNG.
+    Raises (ValueError, KeyError, StateTransferError) before changing anything unless all of
+    it fits: this model's layout, counts in range, torch's RNG state."""
     tensors, counters = checkpoint.tensors, checkpoint.counters
     model_state = {
         k: v for k, v in tensors.items() if k == "params" or k.startswith(("optimizer.", "scalar."))
     }
-    optimizer.restore(Snapshot(model_state, {"steps": saved_step_count(counters)}))
-    torch.set_rng_state(torch.from_numpy(tensors["rng.torch"].copy()))
+    steps = saved_count(counters, "steps", saved_count(counters, "local_steps", 0))  # (0.1's name)
+    saved_count(counters, "round", 0)
+    rng = tensors["rng.torch"]
+    expected = torch.get_rng_state()
+    if rng.dtype != np.uint8 or rng.shape != tuple(expected.shape):
+        raise ValueError(
+            f"torch's RNG state is {rng.dtype}{list(rng.shape)}, not uint8{list(expected.shape)}"
+        )
+    optimizer.restore(Snapshot(model_state, {"steps": steps}))  # (checks the layout first)
+    torch.set_rng_state(torch.from_numpy(rng.copy()))
+
+
+def saved_count(counters: Mapping[str, Any], name: str, default: int | None = None) -> int:
+    """A checkpoint's count ``name`` (``default`` where it has none, if given); ValueError
+    unless it is an integer in 0..MAX_COUNTER."""
+    value = counters.get(name, default)
+    if type(value) is not int or not 0 <= value <= MAX_COUNTER:
+        raise ValueError(f"counter {name}={value!r} is not a count in 0..{MAX_COUNTER}")
+    return value
+
+
+def resume(
+    config: NodeConfig, newest: Checkpoint | None, restore: Callable[[Checkpoint], None]
+) -> Checkpoint | None:
+    """Restore this node's newest checkpoint that fits, with ``restore`` (see
+    ``gossipmesh.daemon.checkpoint.restore_newest``); None: there is none."""
+    if config.state_dir is None:
+        return None
+    return restore_newest(config.state_dir, newest, restore)
 
 
 def join_machine(config: NodeConfig, device: str | None = None) -> tuple[NodeConfig, LocalGroup | None]:
@@ -359,8 +387,10 @@ class Session:
             shared = share_cores(self.config, self.peer, self.members, self.local_group)
             if shared is not None:
                 log.info("%s: %s", self.node_id, shared)
-            if self._checkpoint is not None:
-                restore_state(self._checkpoint, self.optimizer)
+            self._checkpoint = resume(
+                self.config, self._checkpoint, lambda c: restore_state(c, self.optimizer)
+            )
+            self.resumed_from = self._checkpoint.path if self._checkpoint is not None else None
             self.transfer = self.entry.come_in(self.peer, self.optimizer, self.members, lambda: False)
         except BaseException:
             self.optimizer.close()

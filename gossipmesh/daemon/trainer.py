@@ -2,9 +2,10 @@
 
 How a node comes in (with the mesh from round 0, or with the state of members that train) is
 ``gossipmesh.daemon.lifecycle``'s; the optimizer's ``step()`` answers joiners' state requests.
-With a state folder the node checkpoints every few steps and when it stops (a checkpoint that
-cannot be written is counted and tried again, training goes on), and a restarted node resumes
-from its newest checkpoint (then takes the members' state only if they trained further).
+With a state folder the node checkpoints every few steps and when it stops, and a restarted
+node resumes from its newest checkpoint that fits (then takes the members' state only if they
+trained further). A checkpoint or ``--live-params`` copy that cannot be written (a full disk, a
+directory in the way) is counted and tried again later (:class:`RetriedWrite`); training goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
 from gossipmesh.daemon.checkpoint import Checkpoint
-from gossipmesh.daemon.lifecycle import restore_state, save_state
+from gossipmesh.daemon.lifecycle import restore_state, save_state, saved_count
 from gossipmesh.daemon.local_ranks import data_shard
 from gossipmesh.daemon.metrics import NodeMetrics
 from gossipmesh.daemon.pacing import StepPacer
@@ -39,9 +41,45 @@ from p2p.security.ratelimit import QuietLog
 
 _LOSS_SMOOTHING = 0.9
 _TEXT_PROGRESS_EVERY_S = 1.0
-CHECKPOINT_RETRY_S = 10.0  # a checkpoint that failed (disk full...) is tried again after this
+WRITE_RETRY_S = 10.0  # a checkpoint or live copy that failed (disk full...) is tried again after this
 LIVE_PARAMS_EVERY_S = 1.0  # --live-params: the least time between two copies
 log = logging.getLogger(__name__)
+
+
+class RetriedWrite:
+    """A file the node writes again and again (checkpoints, live parameters): a write that
+    fails is logged (once a minute at most) and tried again after ``WRITE_RETRY_S``, and training
+    goes on (the previous file is still whole: every write replaces it atomically)."""
+
+    def __init__(self, what: str, node_id: str, where: Path | None) -> None:
+        self._what, self._node_id, self._where = what, node_id, where
+        self._retry_at: float | None = None  # set while a failed write waits
+        self._log = QuietLog(log, interval_s=60.0)
+
+    def due(self, scheduled: bool) -> bool:
+        """Whether to write now: as ``scheduled``, or, after a failure, once its retry is due."""
+        if self._retry_at is not None:
+            return time.monotonic() >= self._retry_at
+        return scheduled
+
+    def write(self, write: Callable[[], object]) -> bool:
+        """Run ``write``; False (logged, retried later) if the disk refused it."""
+        try:
+            write()
+        except OSError as exc:
+            self._retry_at = time.monotonic() + WRITE_RETRY_S
+            self._log.warning(
+                self._what,
+                "%s: cannot write %s to %s (%s); training goes on, retrying every %g s",
+                self._node_id,
+                self._what,
+                self._where,
+                exc,
+                WRITE_RETRY_S,
+            )
+            return False
+        self._retry_at = None
+        return True
 
 
 class Trainer:
@@ -89,8 +127,8 @@ class Trainer:
         self._sampler_at: tuple[torch.Tensor, int] | None = None  # where a resumed node's data left off
         self._data_batches_before = 0  # batches a machine's ranks drew in its lives before this one
         self._batches: Batches | None = None
-        self._checkpoint_retry_at: float | None = None  # set while a failed checkpoint waits
-        self._checkpoint_log = QuietLog(log, interval_s=60.0)
+        self._checkpoints = RetriedWrite("a checkpoint", peer.node_id, config.state_dir)
+        self._live_params = RetriedWrite("the live parameters", peer.node_id, config.live_params)
         self._live_params_at = -math.inf  # when the next --live-params copy is due
 
     @property
@@ -110,14 +148,15 @@ class Trainer:
         return (timeline[-1].loss, timeline[-1].accuracy) if timeline else None
 
     def resume(self, checkpoint: Checkpoint) -> None:
-        """Continue from a checkpoint of this node: model, optimizer, counters, RNG, data order."""
+        """Continue from a checkpoint of this node: model, optimizer, counters, RNG, data order
+        (checked whole first: what does not fit raises before anything changed)."""
+        counters = checkpoint.counters
+        pass_start = torch.from_numpy(checkpoint.tensors["sampler.pass_start"].copy())
+        used, batches = saved_count(counters, "sampler_used"), saved_count(counters, "data_batches", 0)
         restore_state(checkpoint, self.optimizer)
-        self.progress.steps = int(checkpoint.counters["steps"])
-        self._sampler_at = (
-            torch.from_numpy(checkpoint.tensors["sampler.pass_start"].copy()),
-            int(checkpoint.counters["sampler_used"]),
-        )
-        self._data_batches_before = int(checkpoint.counters.get("data_batches", 0))
+        self.progress.steps = self.optimizer.step_count
+        self._sampler_at = (pass_start, used)
+        self._data_batches_before = batches
 
     def checkpoint(self) -> None:
         """Write a checkpoint to the state folder (see ``gossipmesh.daemon.lifecycle.save_state``)."""
@@ -193,7 +232,7 @@ class Trainer:
                 self._smooth(loss.item())
                 if self.metrics is not None:
                     self._observe(self.metrics)
-                if checkpoints and self._checkpoint_due(progress.steps):
+                if checkpoints and self._checkpoints.due(progress.steps % config.checkpoint_every == 0):
                     self._try_checkpoint()
         finally:
             self.optimizer.close()
@@ -213,36 +252,18 @@ class Trainer:
         """A timeline point's evaluation (under the model lock); with ``--live-params``, a copy
         of the parameters too, at most every ``LIVE_PARAMS_EVERY_S``."""
         live = self.config.live_params
-        if live is not None and time.monotonic() >= self._live_params_at:
-            write_array(live, host_vector(self.model.parameters()), sync=False)
-            self._live_params_at = time.monotonic() + LIVE_PARAMS_EVERY_S
+        if live is not None and self._live_params.due(time.monotonic() >= self._live_params_at):
+            params = host_vector(self.model.parameters())
+            if self._live_params.write(lambda: write_array(live, params, sync=False)):
+                self._live_params_at = time.monotonic() + LIVE_PARAMS_EVERY_S
+            else:
+                self.progress.live_params_failures += 1
         with self._autocast():
             return self.task.evaluate(self.model)
 
-    def _checkpoint_due(self, steps: int) -> bool:
-        retry_at = self._checkpoint_retry_at
-        if retry_at is not None:
-            return time.monotonic() >= retry_at
-        return steps % self.config.checkpoint_every == 0
-
     def _try_checkpoint(self) -> None:
-        """A checkpoint; one that cannot be written is counted, logged and tried again later,
-        and training goes on (the previous checkpoint is still whole)."""
-        try:
-            self.checkpoint()
-        except OSError as exc:
+        if not self._checkpoints.write(self.checkpoint):
             self.progress.checkpoint_failures += 1
-            self._checkpoint_retry_at = time.monotonic() + CHECKPOINT_RETRY_S
-            self._checkpoint_log.warning(
-                "checkpoint",
-                "%s: cannot write a checkpoint to %s (%s); training goes on, retrying every %g s",
-                self.peer.node_id,
-                self.config.state_dir,
-                exc,
-                CHECKPOINT_RETRY_S,
-            )
-        else:
-            self._checkpoint_retry_at = None
 
     def _smooth(self, loss: float) -> None:
         if math.isnan(self.train_loss):

@@ -65,6 +65,7 @@ from p2p.transport.connections import (
     Target,
     usable_at,
 )
+from p2p.transport.inbound import HANDSHAKE_MS, InboundGuard
 from p2p.transport.inbox import Inbox
 from p2p.transport.outbound import Outbound
 from p2p.transport.polling import Poller
@@ -224,6 +225,7 @@ class Transport:
         )
         self._authenticator: Authenticator | None = None
         self._errors = QuietLog(log)
+        self.inbound: InboundGuard | None = None  # the caps on inbound TCP connections, once bound
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._startup_error: TransportError | None = None
@@ -393,6 +395,9 @@ class Transport:
             if router is None:
                 return
             self._poller.register(router, zmq.POLLIN)
+            if self.listen.startswith("tcp://"):
+                self.inbound = InboundGuard(router)
+                self._poller.register(self.inbound.monitor, zmq.POLLIN)
         self.connections.router = router
         poller = self._poller
         poller.register(self._wake_r, zmq.POLLIN)
@@ -405,6 +410,8 @@ class Transport:
                 self._turn(router)
             self._run_commands()  # last sends (e.g. a leave) before the sockets close
         finally:
+            if self.inbound is not None:
+                self.inbound.close()
             if router is not None:
                 router.close(linger=0)
             self.connections.close_all()
@@ -424,6 +431,7 @@ class Transport:
         # an inbound connection that goes silent (a crashed host, a partition) is closed
         router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (strangers' idle connections end)
         try:
             router.bind(bind_form(listen))
             self.address = self._advertise or advertised(router.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -442,6 +450,8 @@ class Transport:
         if paced_ms is not None:  # sends wait for the send cap
             due_ms = min(due_ms, paced_ms)
         events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
+        if self.inbound is not None and self.inbound.monitor in events:
+            self._guarded("inbound", self.inbound.drain)
         if router is not None and router in events:
             self._drain(router)
         for target, connection in self.connections.readable(events):
