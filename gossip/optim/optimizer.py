@@ -48,7 +48,8 @@ JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of
 # the fastest a mesh runs rounds, as a joiner believes a state's rounds_per_s: a round is a
 # message to each neighbour and back, more than a millisecond even on loopback
 MAX_ROUNDS_PER_S = 1000.0
-CONSENSUS_EVERY = 10  # rounds between two consensus estimates (each copies the parameters once)
+CONSENSUS_EVERY = 10  # rounds between two consensus estimates
+CONSENSUS_SAMPLE = 1 << 18  # parameters an estimate compares at most (evenly strided): 1 MB, not a model
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ class GossipOptimizer(torch.optim.Optimizer):
     ``phases`` tells where the time of each round went (see ``gossip.phases``), and
     ``consensus_estimate`` how far apart this node and its neighbours are: the relative change
     of the model by mixing, ``||x after - x before|| / ||x||``, measured every
-    ``CONSENSUS_EVERY`` rounds (0 once the nodes agree; None before the first measurement).
+    ``CONSENSUS_EVERY`` rounds on an evenly strided sample of at most ``CONSENSUS_SAMPLE``
+    parameters (0 once the nodes agree; None before the first measurement).
 
     Args:
         optimizer: the local optimizer; its parameters are moved into one flat buffer.
@@ -308,7 +310,7 @@ class GossipOptimizer(torch.optim.Optimizer):
             if sampled or ((round_due or background) and not self.mixes_in_place):
                 self.flat.copy_to_host()
             if sampled:
-                self._before_mixing = self.flat.param_array.copy()
+                self._before_mixing = self._consensus_sample().copy()
         if self.period_agreement is not None and self._last_step_end is not None:
             self.period_agreement.observe(step_s=self.peer.now() - self._last_step_end)
         self._round_ran = round_due
@@ -397,8 +399,13 @@ class GossipOptimizer(torch.optim.Optimizer):
         the model from its copy taken after the last sampled local step."""
         if self._before_mixing is not None:
             self.flat.copy_to_host()  # (the device has the newest parameters now, in every mode)
-            self.consensus_estimate = relative_distance(self.flat.param_array, self._before_mixing)
+            self.consensus_estimate = relative_distance(self._consensus_sample(), self._before_mixing)
             self._before_mixing = None
+
+    def _consensus_sample(self) -> np.ndarray:
+        """The parameters the consensus estimate compares: every k-th, at most CONSENSUS_SAMPLE."""
+        params = self.flat.param_array
+        return params[:: max(1, params.size // CONSENSUS_SAMPLE)]
 
     def close(self) -> None:
         """Stop the algorithm's background work and answering newcomers (call when training ends)."""
