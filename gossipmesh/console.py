@@ -23,6 +23,8 @@ COLUMNS = (
     ("recv", "bytes_received", "bytes"),
     ("peers", "peers", "{}"),
 )
+#: the mesh's table adds how far each node's model is from the average model (its live estimate)
+MESH_COLUMNS = (*COLUMNS, ("from avg", "from_average", "{:.1e}"))
 
 
 def human_bytes(n: float) -> str:
@@ -41,9 +43,9 @@ def _cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
 
 
 def render_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    cells = [[title for title, _, _ in COLUMNS]]
-    cells += [[_cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    cells = [[title for title, _, _ in MESH_COLUMNS]]
+    cells += [[_cell(row, key, fmt) for _, key, fmt in MESH_COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(MESH_COLUMNS))]
     return ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
 
 

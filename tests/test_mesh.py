@@ -57,12 +57,16 @@ def test_default_mesh_trains_every_node_to_target(tmp_path: Path) -> None:
     assert max(accuracies) - min(accuracies) <= 0.02
     # the mean of the final models, evaluated by the launcher: no worse than its worst node
     assert report["average_model"]["accuracy"] >= min(accuracies) - 0.01
-    assert "of the average model" in result.stdout
+    assert "of the average model" in result.stdout and "from avg" in result.stdout
+    # each node's final model is as close to the average as the consensus distance says
+    assert sorted(report["distance_from_average"]) == sorted(n["id"] for n in nodes)
+    assert max(report["distance_from_average"].values()) < 0.02
     # estimated during the run from the nodes' live copies: no worse than the worst node then
     estimates = report["average_model_timeline"]
     assert estimates and [e["t"] for e in estimates] == sorted(e["t"] for e in estimates)
     for estimate in estimates:  # (from copies up to a second old)
         assert 1 <= estimate["nodes"] <= 4
+        assert len(estimate["distance_from_average"]) == estimate["nodes"]
         then = [p["accuracy"] for n in nodes for p in n["timeline"] if abs(p["t"] - estimate["t"]) <= 2.0]
         assert estimate["accuracy"] >= min(then) - 0.05, (estimate, min(then))
 

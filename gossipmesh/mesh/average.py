@@ -2,14 +2,17 @@
 held-out split. At the end from the finished nodes' final models (the report's
 ``average_model``); during the run from the copies each node rewrites about once a second
 (``--live-params``), for models of up to ``LIVE_MAX_BYTES``: the live table's header and the
-report's ``average_model_timeline``.
+report's ``average_model_timeline``. Each estimate also says how far each node's model is from
+the average (``||x_i - mean|| / ||mean||``): a slow node's model kept current by mixing stays
+close, however few steps it takes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,9 +39,11 @@ class AverageModel:
 
     def evaluate(self, vectors: Sequence[np.ndarray]) -> dict[str, float] | None:
         """Held-out loss and accuracy of the mean of ``vectors`` (None for none)."""
-        if not vectors:
-            return None
-        mean = torch.from_numpy(np.mean(vectors, axis=0))
+        return self.score(np.mean(vectors, axis=0)) if vectors else None
+
+    def score(self, vector: np.ndarray) -> dict[str, float]:
+        """Held-out loss and accuracy of the model ``vector`` holds."""
+        mean = torch.from_numpy(vector)
         offset = 0
         with torch.no_grad():
             for param in self._model.parameters():  # (the order of gossip.buffers.flat.host_vector)
@@ -58,19 +63,23 @@ class LiveAverage:
         self._model = model
         self._origin = origin
         self._next_at = time.monotonic() + LIVE_EVERY_S
-        self.timeline: list[dict[str, float]] = []  # {"t", "loss", "accuracy", "nodes"}
+        # {"t", "loss", "accuracy", "nodes", "distance_from_average": {node: distance}}
+        self.timeline: list[dict[str, Any]] = []
 
-    def poll(self, paths: Sequence[Path]) -> dict[str, float] | None:
-        """A new estimate when one is due and a copy exists (else the last one, or None)."""
+    def poll(self, paths: Mapping[str, Path]) -> dict[str, Any] | None:
+        """A new estimate from each node's copy (``paths``: by node id) when one is due and a
+        copy exists (else the last one, or None)."""
         started = time.monotonic()
         if started >= self._next_at:
-            copies = [c for c in map(self._read, paths) if c is not None]
-            estimate = self._model.evaluate([vector for vector, _ in copies])
+            copies = {node: c for node, path in paths.items() if (c := self._read(path)) is not None}
+            if copies:
+                vectors = {node: vector for node, (vector, _) in copies.items()}
+                mean = np.mean(list(vectors.values()), axis=0)
+                written = float(np.mean([at for _, at in copies.values()])) - self._origin
+                entry = {"t": round(written, 3), **self._model.score(mean), "nodes": len(copies)}
+                self.timeline.append({**entry, "distance_from_average": distances_from(vectors, mean)})
             took = time.monotonic() - started
             self._next_at = started + max(LIVE_EVERY_S, took / LIVE_CPU_SHARE)
-            if estimate is not None:
-                written = float(np.mean([at for _, at in copies])) - self._origin
-                self.timeline.append({"t": round(written, 3), **estimate, "nodes": len(copies)})
         return self.timeline[-1] if self.timeline else None
 
     def _read(self, path: Path) -> tuple[np.ndarray, float] | None:
@@ -83,3 +92,9 @@ class LiveAverage:
         except (OSError, ValueError):
             return None
         return (vector, written) if vector.shape == (self._model.size,) else None
+
+
+def distances_from(vectors: Mapping[str, np.ndarray], mean: np.ndarray) -> dict[str, float]:
+    """How far each node's model (by node id) is from ``mean``: ||x_i - mean|| / ||mean||."""
+    norm = float(np.linalg.norm(mean)) or 1.0
+    return {node: round(float(np.linalg.norm(vector - mean)) / norm, 8) for node, vector in vectors.items()}

@@ -40,7 +40,7 @@ from gossipmesh.config import ConfigError, MeshConfig, as_flags, summary
 from gossipmesh.config.values import ChaosAction
 from gossipmesh.console import LiveTable
 from gossipmesh.mesh import netns
-from gossipmesh.mesh.average import AverageModel, LiveAverage
+from gossipmesh.mesh.average import AverageModel, LiveAverage, distances_from
 from gossipmesh.mesh.node_process import NodeMain, NodeProcess, preload_for_nodes
 from gossipmesh.report import build_report, write_json
 from p2p.address import free_ports
@@ -192,7 +192,8 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     results = [node.result() for node in mesh.nodes]
     ended = [r for r in results if r["status"] in ("finished", "killed")]
     finished = [n for n, r in zip(mesh.nodes, results, strict=True) if r["status"] == "finished"]
-    finals = [np.load(n.params, allow_pickle=False) for n in finished if n.params.exists()]
+    final = {n.id: np.load(n.params, allow_pickle=False) for n in finished if n.params.exists()}
+    finals = list(final.values())
     report = build_report(
         wall_time_s=round(mesh.clock(), 3),
         config=summary(config),
@@ -202,6 +203,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     )
     report["average_model"] = average.evaluate(finals)
     report["average_model_timeline"] = live.timeline if live is not None else []
+    report["distance_from_average"] = distances_from(final, np.mean(finals, axis=0)) if finals else {}
     report["chaos_events"] = mesh.chaos
     report["links"] = _links(config, mesh.nodes, wire)
     write_json(report_path, report)
@@ -222,6 +224,7 @@ def _watch(
     them after ``STOP_GRACE_S``)."""
     pending = list(schedule)
     kill_at = None
+    apart: dict[str, float] = {}  # each node's distance from the average model, as last estimated
     while pending or mesh.live():
         while pending and pending[0].at <= mesh.clock() and not stop.is_set():
             mesh.act(pending.pop(0))
@@ -235,14 +238,16 @@ def _watch(
             for node in mesh.nodes:
                 node.send_signal(signal.SIGKILL)
         header = f"t = {mesh.clock():6.1f} s"
-        estimate = live.poll([n.live_params for n in mesh.live()]) if live is not None else None
+        estimate = live.poll({n.id: n.live_params for n in mesh.live()}) if live is not None else None
         if estimate is not None:
             header += f"   average model: accuracy {estimate['accuracy']:.3f} (at {estimate['t']:.1f} s)"
-        table.update([n.row for n in mesh.nodes], header=header)
+            apart = estimate["distance_from_average"]
+        table.update([{**n.row, "from_average": apart.get(n.id)} for n in mesh.nodes], header=header)
         wait = min(_REFRESH_S, max(0.0, pending[0].at - mesh.clock())) if pending else _REFRESH_S
         mesh.read_progress(wait)
     mesh.drain()
-    table.update([n.row for n in mesh.nodes], header=f"t = {mesh.clock():6.1f} s", force=True)
+    rows = [{**n.row, "from_average": apart.get(n.id)} for n in mesh.nodes]
+    table.update(rows, header=f"t = {mesh.clock():6.1f} s", force=True)
 
 
 @contextmanager
