@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 import transformers
+from forked import run_forked
 
 import gossipmesh
 from gossipmesh.config import NodeConfig, load
@@ -111,18 +111,9 @@ def _run(arm: str, rank: int, ports: list[int], args: argparse.Namespace, out: C
 
 
 def run_arm(arm: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    fork = multiprocessing.get_context("fork")
     ports = free_ports(2)
-    pipes = [fork.Pipe(duplex=False) for _ in range(2)]
-    processes = [
-        fork.Process(target=_run, args=(arm, rank, ports, args, pipes[rank][1])) for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    results = [receiver.recv() for receiver, _ in pipes]
-    for process in processes:
-        process.join(timeout=120)
-    return results
+    result: list[dict[str, Any]] = run_forked(2, _run, lambda rank: (arm, rank, ports, args))
+    return result
 
 
 def main() -> None:

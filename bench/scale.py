@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from forked import run_forked
 
 import gossipmesh
 from gossipmesh.config import NodeConfig, load
@@ -50,7 +51,7 @@ GOSSIP_ARMS = {
 }
 
 
-def wide_mlp(params: int, dtype: torch.dtype) -> torch.nn.Module:
+def wide_mlp(params: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Linear layers of WIDTH x WIDTH (the last one narrower) holding about ``params`` weights."""
     layers, left = [], params
     while left > 0:
@@ -128,21 +129,11 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
 
 
 def run_arm(arm: str, nodes: int, params: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
-    fork = multiprocessing.get_context("fork")
-    barrier = fork.Barrier(nodes)
+    barrier = multiprocessing.get_context("fork").Barrier(nodes)
     ports = free_ports(nodes)
-    pipes = [fork.Pipe(duplex=False) for _ in range(nodes)]
-    processes = [
-        fork.Process(
-            target=_run_arm, args=(arm, rank, nodes, params, dtype, rounds, ports, barrier, pipes[rank][1])
-        )
-        for rank in range(nodes)
-    ]
-    for process in processes:
-        process.start()
-    results = [receiver.recv() for receiver, _ in pipes]
-    for process in processes:
-        process.join(timeout=120)
+    results = run_forked(
+        nodes, _run_arm, lambda rank: (arm, rank, nodes, params, dtype, rounds, ports, barrier)
+    )
     times = [t for r in results for t in r["times"]]
     return {
         "arm": arm,

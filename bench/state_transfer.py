@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from forked import run_forked
 from scale import parse_count, reset_peak, rss, wide_mlp
 
 import gossipmesh
@@ -78,22 +79,11 @@ def _node(rank: int, donors: int, params: int, endpoints: list[str], host: netns
 
 
 def run_arm(params: int, donors: int, link_mbps: float | None) -> dict[str, Any]:
-    fork = multiprocessing.get_context("fork")
     count = donors + 1
-    barrier = fork.Barrier(count)
-    pipes = [fork.Pipe(duplex=False) for _ in range(count)]
+    barrier = multiprocessing.get_context("fork").Barrier(count)
 
     def launch(endpoints: list[str], hosts: list[netns.Host | None]) -> list[dict[str, Any]]:
-        processes = [
-            fork.Process(target=_node, args=(r, donors, params, endpoints, hosts[r], barrier, pipes[r][1]))
-            for r in range(count)
-        ]
-        for process in processes:
-            process.start()
-        results = [receiver.recv() for receiver, _ in pipes]
-        for process in processes:
-            process.join(timeout=120)
-        return results
+        return run_forked(count, _node, lambda r: (r, donors, params, endpoints, hosts[r], barrier))
 
     if link_mbps is None:
         results = launch([f"tcp://127.0.0.1:{p}" for p in free_ports(count)], [None] * count)
