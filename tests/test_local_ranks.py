@@ -198,6 +198,10 @@ def _train(
     data = torch.Generator().manual_seed(100 * machine + rank)  # every rank its own batches
     truth = torch.randn(40, 1, generator=torch.Generator().manual_seed(7))
     digests, h = [], []
+    # every machine starts the run together: on a loaded machine a fork can start seconds late,
+    # and one that starts more than max_staleness (256) rounds after the others is a straggler
+    # whose SGP shares they drop (tests/test_stragglers.py's case), not what this test is about
+    finish[0].start.wait(timeout=120)
     # a run ends right after a round: with local steps, the steps after the last round pull
     # each machine towards its own target again (up to H - 1 = 3 steps of 10% of the way)
     while (
@@ -223,11 +227,13 @@ def _train(
 
 
 class Finish:
-    """When the forked machines' runs end, in memory they share: a flag per (run, machine), set
-    once all of that machine's ranks have mixed enough, and the round each run ends at."""
+    """When the forked machines' runs start and end, in memory they share: a barrier all 6 ranks
+    pass before each run's first step, a flag per (run, machine), set once all of that
+    machine's ranks have mixed enough, and the round each run ends at."""
 
     def __init__(self, runs: int) -> None:
         context = multiprocessing.get_context("fork")
+        self.start = context.Barrier(6)
         self.mixed = context.Array("b", 3 * runs)
         self.end_round = context.Array("q", runs)
 

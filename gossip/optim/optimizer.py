@@ -323,7 +323,7 @@ class GossipOptimizer(torch.optim.Optimizer):
                 self.period_agreement.observe(round_s=self.peer.now() - round_started)
             if self.codec_agreement is not None:
                 self.codec_agreement.observe(self.averager.round - 1, self.phases.last)
-        self._state_server.poll()
+        self._state_server.start()  # (from the first step on; then it does nothing)
         self._last_step_end = self.peer.now()
         return loss
 

@@ -1,9 +1,9 @@
 """A member's side of state transfer: answering newcomers' manifest and chunk requests.
 
-A transfer goes at the link's pace, not the training loop's: the loop looks for requests
-between its steps (:meth:`StateServer.poll`, which never blocks) and, when one came, answers it
-and keeps answering from a thread of its own (``PeerNetwork.start_background``) until no
-request has come for ``IDLE_S``. Each chunk is read from the live state when it is asked for
+A transfer goes at the link's pace, not the training loop's: from the first training step on
+(:meth:`StateServer.start`), requests are answered as they come by a thread of its own
+(``PeerNetwork.start_background``), so a newcomer never waits for a member's step to end (a
+step of a large model takes seconds, which a whole transfer may not). Each chunk is read from the live state when it is asked for
 (``gossip.state.live``), so serving costs no copy of the state, only the chunks in flight.
 
 What a requester can make a source do is bounded: it answers members only, at most
@@ -45,8 +45,7 @@ from gossip.state.manifest import (
 
 MAX_TRANSFERS = 4  # requesters served at once
 RETRY_S = 3.0  # a requester silent this long no longer counts as being served
-IDLE_S = 2.0  # the serving thread ends after this long without a request
-POLL_S = 0.25
+POLL_S = 0.25  # how often the serving thread looks whether it was closed
 STATE_COPIES = 4  # a member's share of this source's reads: this many times the state
 
 
@@ -68,22 +67,15 @@ class StateServer:
         self._bytes_sent: Counter[str] = Counter()  # member -> bytes sent it, all its transfers
         self._lock = threading.Lock()  # the training loop and the serving thread
         self._thread: Background | None = None
-        self._serving = False
         self._stop = threading.Event()
         self.refused: Counter[str] = Counter()
         self.chunks_sent = 0
 
-    def poll(self) -> None:
-        """Between training steps: answer a request that waits (at most a window of chunk
-        copies), and go on answering on a thread of its own while they come."""
-        if self._serving or self._stop.is_set():
-            return
-        request = self._peer.recv(0, (STATE_REQUEST,))
-        if request is None:
-            return
-        self._answer(request)
-        self._thread = self._peer.start_background(f"state-{self._peer.node_id}", self._serve)
-        self._serving = True  # (the thread clears it as it ends, never before this)
+    def start(self) -> None:
+        """Answer requests as they come, on a thread of its own, until :meth:`close` (once;
+        later calls do nothing)."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = self._peer.start_background(f"state-{self._peer.node_id}", self._serve)
 
     def serve(self, wait: float = 0.0) -> int:
         """Answer the requests waiting (the first for up to ``wait`` s); how many were taken."""
@@ -103,15 +95,8 @@ class StateServer:
             self._thread.join()
 
     def _serve(self) -> None:
-        try:
-            idle_since = self._peer.now()
-            while not self._stop.is_set():
-                if self.serve(POLL_S):
-                    idle_since = self._peer.now()
-                elif self._peer.now() - idle_since >= IDLE_S:
-                    break
-        finally:
-            self._serving = False
+        while not self._stop.is_set():
+            self.serve(POLL_S)
 
     def _answer(self, request: Envelope) -> None:
         with self._lock:
