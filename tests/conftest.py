@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ def no_other_threads() -> None:
     an earlier test asked to stop may still be finishing on a busy machine: it gets 30 s.
     pyzmq's garbage collector of zero-copy sends stays once a test started it; it blocks in
     ZeroMQ, holds none of our locks, and a forked child starts its own."""
+    gc.collect()  # (an optimizer a test left unclosed, and the thread that served its state)
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     for thread in others:
         if not isinstance(thread, GarbageCollectorThread):

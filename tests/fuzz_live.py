@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gossip import CHOCO, DPSGD, SGP
+from gossip.buffers.pieces import RunningMix
 from gossip.compression import Int8, Sparse
 from gossip.messages import STATE_CHUNK as CHUNK
 from gossip.messages import STATE_MANIFEST as MANIFEST
@@ -276,7 +277,8 @@ class FuzzTarget:
         dpsgd = DPSGD(peer, np.zeros(SIZE, np.float32), topology=ring)
         readers.append((frozenset(dpsgd.kinds), lambda m: (dpsgd._file(m, 0, {}), dpsgd._early.clear())))
         sgp = SGP(peer, np.zeros(SIZE, np.float32), topology=exponential)
-        readers.append((frozenset(sgp.kinds), lambda m: (sgp._mix_in(m, 0), sgp._later.clear())))
+        shares = RunningMix(sgp.params, sgp.vector_layout, 1.0, sgp._scratch, sgp.lock, sgp._coverage)
+        readers.append((frozenset(sgp.kinds), lambda m: sgp._mix_in(m, 0, shares)))
         choco = CHOCO(peer, np.zeros(SIZE, np.float32), topology=ring, codec=Int8())
         readers.append((frozenset(choco.kinds), choco._take))
         readers.append((frozenset({MANIFEST, CHUNK}), _take_state))

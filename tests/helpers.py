@@ -19,7 +19,7 @@ import zmq
 
 from gossip import Algorithm, Codec, PeerNetwork
 from gossip.algorithms import averager as averager_module
-from gossip.algorithms.averager import RoundStats
+from gossip.algorithms.averager import Averager, RoundStats
 from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology
@@ -71,16 +71,8 @@ def average_in_threads(
     names = [algorithm] * len(peers) if isinstance(algorithm, str) else algorithm
     specs = [Algorithm.parse(name) for name in names]
 
-    def run(i: int) -> None:
+    def run(i: int, averager: Averager) -> None:
         try:
-            averager = specs[i].build(
-                peers[i],
-                vectors[i],
-                topology=Topology.parse(topology),
-                round_timeout=timeout,
-                lock=None,
-                codec=Codec.parse(compression),
-            )
             for _ in range(rounds):
                 started = time.monotonic()
                 round_stats = averager.after_step()
@@ -94,7 +86,20 @@ def average_in_threads(
             errors.append(exc)
 
     with full_waits():
-        run_together(partial(run, i) for i in range(len(peers)))
+        # every node is built before any begins, so they start in step (a node built late would
+        # find shares of rounds it has not reached)
+        averagers = [
+            spec.build(
+                peer,
+                vector,
+                topology=Topology.parse(topology),
+                round_timeout=timeout,
+                lock=None,
+                codec=Codec.parse(compression),
+            )
+            for spec, peer, vector in zip(specs, peers, vectors, strict=True)
+        ]
+        run_together(partial(run, i, averager) for i, averager in enumerate(averagers))
     if errors:
         raise errors[0]
     return durations

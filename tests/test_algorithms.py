@@ -48,7 +48,9 @@ def test_a_push_sum_node_that_hears_nothing_for_a_thousand_rounds_keeps_its_mode
         sgp.after_step()
     np.testing.assert_array_equal(model, start)
     assert 0.0 < sgp.weight < 1e-300
-    silent.send("node-0", "push", sgp.round, [np.full(41, 5.0, np.float32), np.array([0.5])])
+    silent.send(
+        "node-0", "push", sgp.round, [np.full(41, 5.0, np.float32)], {"starts": [0], "weights": [0.5]}
+    )
     sgp.after_step()
     np.testing.assert_allclose(model, 5.0, rtol=1e-6)  # its own weight is nothing beside 0.5
 

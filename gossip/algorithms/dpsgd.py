@@ -224,12 +224,7 @@ class DPSGD(Averager):
             self.dropped["not_a_neighbour"] += 1
         else:
             first = sender not in mix.senders
-            problem = mix.add(sender, message.tensors, message.piece, row.receive_from[sender])
-            if problem == "refused_message":
-                self.dropped[problem] += 1
-            elif problem is not None:
-                self.rejected[problem] += 1
-            else:
+            if self._add(mix, sender, message, row.receive_from[sender]):
                 self._heard_from(sender)
                 if first:
                     self.staleness.add(0)
