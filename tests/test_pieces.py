@@ -12,6 +12,7 @@ import pytest
 from helpers import average_in_threads, started_peers, started_transport
 
 from gossip import SGP
+from gossip.algorithms.sgp import MAX_SEGMENTS, _merged
 from gossip.buffers.pieces import RunningMix
 from gossip.buffers.vector import Layout
 from gossipmesh.sim.memory import MemoryNetwork
@@ -212,3 +213,11 @@ def test_a_push_sum_share_with_lying_weights_is_refused_whole() -> None:
     sgp.after_step()
     np.testing.assert_array_equal(own, 0.0)
     assert sgp.rejected["bad_push_weight"] == 5
+
+
+def test_push_sum_segments_of_nearly_equal_weight_are_joined_keeping_the_mass() -> None:
+    segments = [(0, 1.0), (10, 1.0 + 1e-9), (20, 2.0)]
+    assert _merged(segments, 30) == [(0, pytest.approx(1.0 + 0.5e-9, rel=1e-15)), (20, 2.0)]
+    many = [(i, 1.0 + i) for i in range(MAX_SEGMENTS + 1)]  # too many for a share to carry
+    ((start, weight),) = _merged(many, MAX_SEGMENTS + 1)
+    assert start == 0 and weight == pytest.approx(np.mean([w for _, w in many]))

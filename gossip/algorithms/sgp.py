@@ -58,7 +58,11 @@ HOLD_ROUNDS = 8
 HOLD_MODELS = 2
 MIN_WEIGHT = float(np.finfo(np.float64).tiny)
 MAX_WEIGHT = 1e6  # a share's weight beyond this is a sender's lie: all the mesh's mass is n
-MAX_SEGMENTS = 1024  # weight segments a share may carry (one per share cut off, merged as they fill)
+MAX_SEGMENTS = 1024  # weight segments a share may carry
+# neighbouring segments whose weights differ by less than this (relative) are joined: push-sum
+# drives every element's weight to the same value, and the boundaries of a share cut off long
+# ago would otherwise stay for ever
+JOIN_TOLERANCE = 1e-6
 
 
 class SGP(Averager):
@@ -150,7 +154,7 @@ class SGP(Averager):
             self._mix_in(received, r, mix)
         for sender, _ in missing:
             self.peer.missed(sender)
-        self.segments = list(mix.weights)
+        self.segments = _merged(mix.weights, self.params.size)
         self._coverage.forget(lambda key: key[1] <= r - self.max_staleness)  # type: ignore[index]
         return sum(mix.complete(key) for key in expected)
 
@@ -194,3 +198,27 @@ class SGP(Averager):
         if not all(math.isfinite(w) and 0 < w <= MAX_WEIGHT for w in weights):
             raise PayloadError(f"weights must be in (0, {MAX_WEIGHT:g}]")
         return list(zip(starts, weights, strict=True))
+
+
+def _merged(segments: Segments, size: int) -> list[tuple[int, float]]:
+    """``segments`` with neighbours of (nearly) equal weight joined, each joined run taking its
+    elements' mean weight, so the mass is what it was; all joined into one where more than
+    ``MAX_SEGMENTS`` would remain (a share must be able to carry them)."""
+    runs: list[list[tuple[int, float]]] = []
+    for start, weight in segments:
+        if runs and abs(weight - runs[-1][0][1]) <= JOIN_TOLERANCE * runs[-1][0][1]:
+            runs[-1].append((start, weight))
+        else:
+            runs.append([(start, weight)])
+    if len(runs) > MAX_SEGMENTS:
+        runs = [[segment for run in runs for segment in run]]
+    bounds = [start for start, _ in segments[1:]] + [size]
+    ends = dict(zip([start for start, _ in segments], bounds, strict=True))
+    merged = []
+    for run in runs:
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
+        mass = sum(weight * (ends[start] - start) for start, weight in run)
+        merged.append((run[0][0], mass / (ends[run[-1][0]] - run[0][0])))
+    return merged
