@@ -33,8 +33,17 @@ from gossip.optim.outer import MIN_LOCAL_STEPS, OuterNesterov
 from gossip.optim.quasi_global import QuasiGlobalMomentum
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.state.fetch import TransferStats, fetch_state
-from gossip.state.live import LiveState
-from gossip.state.manifest import Layout, Snapshot, check_fit
+from gossip.state.live import LiveState, StateWriter
+from gossip.state.manifest import (
+    BUFFER_PREFIX,
+    SCALAR_PREFIX,
+    Discard,
+    Layout,
+    Manifest,
+    Snapshot,
+    StateSink,
+    check_fit,
+)
 from gossip.state.server import StateServer
 from gossip.tuning.agreement import AgreeingPeer
 from gossip.tuning.auto_codec import CodecAgreement
@@ -524,18 +533,25 @@ class GossipOptimizer(torch.optim.Optimizer):
         with self._lock:
             self.flat.copy_to_host()  # (waits for an upload still reading the host copy)
             np.copyto(reference, snapshot.tensors["params"])
-            self.flat.copy_to_device()
-            if self.momentum is not None:
-                self.momentum.restart()
             for name, array in snapshot.tensors.items():
-                if name.startswith("optimizer."):
-                    self._load_optimizer_buffer(name.removeprefix("optimizer."), array)
-                elif name.startswith("scalar."):
-                    self._load_optimizer_scalar(name.removeprefix("scalar."), array)
-            if self._mixed_momentum:
-                rebind(self.optimizer, self._params, self._mixed_momentum)
-                self.flat.copy_to_host()
+                if name.startswith(BUFFER_PREFIX):
+                    self._load_optimizer_buffer(name.removeprefix(BUFFER_PREFIX), array)
+            scalars = {n: a for n, a in snapshot.tensors.items() if n.startswith(SCALAR_PREFIX)}
+            self._loaded(scalars)
         self.step_count = saved_step_count(snapshot.counters)
+
+    def _loaded(self, scalars: Mapping[str, np.ndarray]) -> None:
+        """After a state's parameters (in the host copy) and optimizer buffers were loaded, under
+        the lock: the parameters to the device, the one-value entries as the optimizer keeps
+        them, the momentum (mixed or about to be) anew."""
+        self.flat.copy_to_device()
+        if self.momentum is not None:
+            self.momentum.restart()
+        for name, values in scalars.items():
+            self._load_optimizer_scalar(name.removeprefix(SCALAR_PREFIX), values)
+        if self._mixed_momentum:
+            rebind(self.optimizer, self._params, self._mixed_momentum)
+            self.flat.copy_to_host()
 
     def share_state(self) -> None:
         """Give every local rank local rank 0's training state and round (a collective: call it
@@ -573,6 +589,17 @@ class GossipOptimizer(torch.optim.Optimizer):
         StateTransferError (see ``gossip.state.fetch`` for ``patience_s`` and ``cancelled``);
         :attr:`last_transfer` says how it went."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
+        writer: StateWriter | None = None
+
+        def into_model(manifest: Manifest) -> StateSink:
+            """The chunks straight into the model and optimizer, unless this node has trained
+            as far (then they are read and let go)."""
+            nonlocal writer
+            if saved_step_count(manifest.counters) <= self.step_count:
+                return Discard()
+            writer = StateWriter(self.flat, self._params, self.optimizer, self._lock, manifest.entries)
+            return writer
+
         snapshot, self.last_transfer = fetch_state(
             self.peer,
             sources,
@@ -581,9 +608,12 @@ class GossipOptimizer(torch.optim.Optimizer):
             patience_s=patience_s,
             cancelled=cancelled,
             fits=lambda manifest: self._check_fit((e.name, e.dtype, e.shape) for e in manifest.entries),
+            sink=into_model,
         )
-        if saved_step_count(snapshot.counters) > self.step_count:
-            self.restore(snapshot)
+        if writer is not None:
+            with self._lock:
+                self._loaded(writer.scalars)
+            self.step_count = saved_step_count(snapshot.counters)
         rate = min(snapshot.counters.get("rounds_per_s", 0.0), MAX_ROUNDS_PER_S)
         lead = math.ceil(rate * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead

@@ -40,6 +40,7 @@ from gossip.state.manifest import (
     Assembly,
     Manifest,
     Snapshot,
+    StateSink,
     StateTransferError,
     agreed_counters,
 )
@@ -101,12 +102,15 @@ def fetch_state(
     patience_s: float = math.inf,
     cancelled: Callable[[], bool] = lambda: False,
     fits: Callable[[Manifest], None] = lambda manifest: None,
+    sink: Callable[[Manifest], StateSink] | None = None,
 ) -> tuple[Snapshot, TransferStats]:
     """The state of ``sources`` (see the module docstring) and how the transfer went. Raises
     StateTransferError naming each source and why it gave nothing usable, also when
     ``cancelled()`` turns true (asked every ``POLL_S``). ``fits`` raises StateTransferError
     for a manifest that does not fit the joiner's model: its source is left out before any
-    source's layout is taken as the reference."""
+    source's layout is taken as the reference. ``sink`` gives where the chunks of the
+    reference's layout go as they come (default: a buffer of the state's size, whose arrays
+    the snapshot returned holds; a sink that writes in place leaves the snapshot's empty)."""
     if not sources:
         raise StateTransferError("no source to take the state from")
     if not 1 <= window <= MAX_WINDOW:
@@ -118,7 +122,7 @@ def fetch_state(
             f"chunk_bytes must be a multiple of {ALIGN} in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, "
             f"got {chunk_bytes}"
         )
-    fetch = _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s, fits)
+    fetch = _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s, fits, sink)
     return fetch.run(timeout, cancelled)
 
 
@@ -133,9 +137,10 @@ class _Fetch:
         retry_s: float,
         patience_s: float,
         fits: Callable[[Manifest], None],
+        sink: Callable[[Manifest], StateSink] | None,
     ) -> None:
         self.peer, self.max_bytes, self.chunk_bytes, self.window = peer, max_bytes, chunk_bytes, window
-        self.retry_s, self.patience_s, self.fits = retry_s, patience_s, fits
+        self.retry_s, self.patience_s, self.fits, self.sink = retry_s, patience_s, fits, sink
         self.transfer = secrets.randbits(62)
         now = time.monotonic()
         self.lanes = {source: _Lane(source, now, now, now) for source in dict.fromkeys(sources)}
@@ -241,7 +246,8 @@ class _Fetch:
         except StateTransferError as exc:
             raise ValueError(f"its state does not fit this model: {exc}") from None
         if self.assembly is None:
-            self.assembly = Assembly(manifest, self.chunk_bytes)
+            sink = self.sink(manifest) if self.sink is not None else None
+            self.assembly = Assembly(manifest, self.chunk_bytes, sink)
             self.reference = lane.source
             self.missing.extend(range(self.assembly.count))
         elif manifest.entries != self.assembly.manifest.entries:
