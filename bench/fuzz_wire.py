@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import multiprocessing
 import socket
 import sys
@@ -127,7 +128,9 @@ def serve_target(beacon_port: int, control: Connection) -> None:
     target.start()
     pair = Pair()
     pair.start()
-    status = StatusServer(NodeMetrics(stale_after_s=60), 0)
+    metrics = NodeMetrics(stale_after_s=math.inf)  # (no training loop: health is the network thread's)
+    metrics.peer = target.target
+    status = StatusServer(metrics, 0)
     control.send({"target": target.members, "pair": pair.members, "status_port": status.port})
     while (command := control.recv()) != "stop":
         if command == "settle":
