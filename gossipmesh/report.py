@@ -63,7 +63,8 @@ class NodeRecord:
     resumed_from: str | None = None  # the checkpoint a restarted node resumed from
     checkpoint_failures: int = 0  # checkpoints that could not be written (each retried later)
     live_params_failures: int = 0  # --live-params copies that could not be written (retried later)
-    # a node that joined a running mesh: bytes, seconds, mb_per_s, chunks per source, reasked
+    # a node that joined a running mesh: bytes, seconds, mb_per_s, chunks per source, reasked,
+    # dropped_sources and outvoted (source -> why)
     state_transfer: dict[str, Any] = field(default_factory=dict)
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from test_security import curve_for, curve_peers, make_keys
 from gossip.algorithms.averager import RoundStats
 from p2p import Peer, Transport
 from p2p.membership import protocol as membership
-from p2p.membership.table import Status
+from p2p.membership.table import Member, MemberTable, Status
 from p2p.security.curve import NodeKeys
 from p2p.transport.connections import MAX_CONNECTIONS
 
@@ -185,3 +186,21 @@ def test_four_nodes_that_bootstrap_in_a_ring_form_one_mesh() -> None:
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_a_phantom_at_a_dead_members_address_ends_when_that_member_comes_back() -> None:
+    """Found by bench/fuzz_wire.py: a phantom (a member's address and key under a new id) taken
+    in while that member was dead stayed live beside the member's next life, two live ids at
+    one address, until probed out. The member's own news of its return ends the phantom."""
+    key = "k" * 40
+    table = MemberTable()
+    real = Member("friend", "tcp://127.0.0.1:7001", 1, 0, Status.ALIVE, key=key)
+    table.apply(real, 0)
+    table.apply(replace(real, status=Status.DEAD), 1)  # this node's own verdict
+    phantom = Member("friend0", real.address, 7, 0, Status.ALIVE, key=key)
+    joined = table.apply(phantom, 2, first_hand=False)
+    assert joined is not None and joined.event == "joined"  # (the address was free)
+    back = table.apply(replace(real, session=2), 3)  # its next life, in its own words
+    assert back is not None and back.event == "joined"
+    assert [m.id for m in table.live()] == ["friend"]
+    assert table.apply(replace(phantom, incarnation=1), 4, first_hand=False) is None  # ended for good

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from helpers import addresses, raw_dealer, started_peers, started_transport, wait_until
-from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port
+from helpers import addresses, average_in_threads, raw_dealer, started_peers, started_transport, wait_until
+from hostile import connect, dealers, fake_members, forge_beacon, free_udp_port, half_open
 from test_security import curve_for, curve_peers, make_keys
 
 import p2p.transport.connections
 import p2p.transport.inbound
 import p2p.transport.reassembly
+from gossip.algorithms.averager import RoundStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.peers import make_peer
 from p2p import AddressError, Message, Peer, Transport, TransportError
@@ -436,3 +437,40 @@ def test_inbound_connections_are_capped_per_source_address_and_in_all(
         assert wait_until(lambda: guard.open == before, 30)
         b.send("a", "params", 0, [np.zeros(2, np.float32)])
         assert a.recv(10, {"params"}) is not None
+
+
+def test_half_open_curve_handshakes_are_capped_and_the_pair_keeps_averaging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29, item 8: a stranger opens 30 CURVE handshakes from one address and never
+    finishes them (caps of 8 an address, 16 in all): those beyond 8 are shut down and counted,
+    and the D-PSGD pair beside them mixes its neighbour every round (new connections from other
+    addresses still have room). 30 more from a second address fill the 16 places; once all
+    close, a newcomer's handshake gets through."""
+    monkeypatch.setattr(p2p.transport.inbound, "MAX_HANDSHAKES", 16)
+    monkeypatch.setattr(p2p.transport.inbound, "MAX_HANDSHAKES_PER_ADDRESS", 8)
+    trusted = make_keys(tmp_path, "a", "b", "c")
+    with curve_peers(tmp_path, ["a", "b"], trusted) as (a, b):
+        guard = a.transport.inbound
+        assert guard is not None and wait_until(lambda: a.members() == b.members() == {"a", "b"}, 20)
+        assert wait_until(lambda: guard.handshaking == 0, 20)  # (b's connection delivered)
+        address = parse_endpoint(a.address)
+        with half_open(address, ["127.0.0.2"] * 30) as opened:
+            assert opened == 30 and wait_until(lambda: guard.refused.total() >= 22, 20)
+            assert guard.refused == {"too_many_handshakes_from_address": 22}
+            assert wait_until(lambda: guard.handshaking == 8, 20)  # (the stranger's, and no other)
+            vectors = [np.zeros(8, np.float32), np.ones(8, np.float32)]
+            stats: list[list[RoundStats]] = [[], []]
+            average_in_threads([a, b], vectors, topology="ring", rounds=20, timeout=2.0, stats=stats)
+            with half_open(address, ["127.0.0.3"] * 30):
+                assert wait_until(lambda: guard.refused["too_many_handshakes"] >= 22, 20)
+                assert wait_until(lambda: guard.handshaking == 16, 20)
+        assert all(s.arrived == 1 for node in stats for s in node)
+        np.testing.assert_allclose(vectors[0], vectors[1])
+        assert wait_until(lambda: guard.handshaking == 0, 30)
+        newcomer = Peer("c", addresses(1)[0], [a.address], curve=curve_for(tmp_path, "c", trusted))
+        try:
+            newcomer.start()
+            newcomer.wait_ready(20, expect=3)
+        finally:
+            newcomer.close()

@@ -24,8 +24,9 @@ A source reads each chunk from its live state when asked (it holds no copy of th
 so the stream is not one instant's state: each chunk is the source's values at the moment it
 was read, and with several sources each chunk is one member's. Gossip keeps members close, and
 the newcomer's first rounds average it further: this is the state a newcomer needs, at the
-link's speed, for the memory of a send window. The counters are those of the first source
-whose manifest arrived; a source whose layout differs from it is not used.
+link's speed, for the memory of a send window. The counters are what most sources state
+(``agreed_counters``), so one source's lie does not set the newcomer's round; a source whose
+layout differs from the first fitting one is not used.
 
 The receiver checks the manifest (version, sizes, dtypes, counters in range) before it
 allocates anything, and every chunk against it as it arrives (size, finite values), so a bad
@@ -59,6 +60,7 @@ ALIGN = 8  # arrays start, and chunks end, at multiples of this: the widest valu
 WINDOW = 16  # chunks a newcomer keeps requested and not yet received, per source
 MAX_WINDOW = 32  # chunks a source sends beyond what the requester has settled (its send queue is 64)
 MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exact as floats
+FAR_ROUNDS, FAR_S = 64, 60.0  # a source's round beyond both (rounds; s at the agreed rate) is a lie
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int64")
 
 Counters = Mapping[str, float]
@@ -70,6 +72,15 @@ def agreed_counters(stated: Sequence[Counters]) -> dict[str, float]:
     starts behind the mesh catches up; one ahead of every member mixes nothing until they come)."""
     names = dict.fromkeys(name for counters in stated for name in counters)
     return {name: statistics.median_low([c[name] for c in stated if name in c]) for name in names}
+
+
+def far_from(stated: Counters, agreed: Counters) -> str:
+    """How a source's ``round`` is far from the ``agreed`` one (more than ``FAR_S`` of the
+    agreed rate of rounds, and ``FAR_ROUNDS``), or "" when it is not."""
+    theirs, ours = stated.get("round", 0), agreed.get("round", 0)
+    if abs(theirs - ours) <= max(FAR_ROUNDS, FAR_S * agreed.get("rounds_per_s", 0)):
+        return ""
+    return f"it stated round {theirs:g}, the sources agree on {ours:g}"
 
 
 class StateTransferError(RuntimeError):

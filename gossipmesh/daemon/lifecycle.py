@@ -182,8 +182,11 @@ def join_running_mesh(
             if not cancelled():
                 log.warning("%s: %s; asking again", me, exc)
             continue
-        assert optimizer.last_transfer is not None
-        return optimizer.last_transfer
+        transfer = optimizer.last_transfer
+        assert transfer is not None
+        for source, why in transfer.outvoted.items():
+            log.warning("%s: the counters of state source %s were outvoted: %s", me, source, why)
+        return transfer
     if cancelled():
         return None
     raise StateTransferError(f"no member gave its state within {timeout:g} s: " + "; ".join(failures[-3:]))

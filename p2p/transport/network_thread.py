@@ -507,6 +507,8 @@ class Transport:
             except zmq.Again:
                 return
             self.stats.bytes_received += sum(len(f) for f in frames[1:])
+            if self.inbound is not None:
+                self.inbound.heard(frames[0])
             self._accept(frames[0].bytes, frames[1:])
 
     def _drain_replies(self, target: Target, connection: Connection) -> None:
