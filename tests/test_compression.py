@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import average_in_threads, run_together
+from helpers import HANG_S, average_in_threads, run_together
 
 from gossip import CHOCO, Algorithm, Codec, CodecError, IncompatibleOptionsError, consensus_distance
 from gossip.algorithms.choco import StepSize
@@ -358,7 +358,7 @@ def test_compressed_and_local_steps_meshes_reach_the_target(
         [sys.executable, NODE_PY, "mesh", "--report", str(report_path), "--insecure", *flags],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     for node in json.loads(report_path.read_text())["nodes"]:

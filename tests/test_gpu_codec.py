@@ -18,6 +18,7 @@ import gpu_codec
 import numpy as np
 import pytest
 import torch
+from helpers import HANG_S
 
 from gossip import consensus_distance
 from gossip.buffers.arrays import array_module, from_torch, to_device, to_host
@@ -123,6 +124,7 @@ def test_without_a_gpu_the_bench_says_what_it_needs() -> None:
     missing = cuda_or_reason()
     if not isinstance(missing, str):
         pytest.skip("this machine has a GPU: the bench would run in full")
-    result = subprocess.run([sys.executable, gpu_codec.__file__], capture_output=True, text=True, timeout=120)
+    command = [sys.executable, gpu_codec.__file__]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == f"bench/gpu_codec.py checks the GPU path and needs {missing}\n"
