@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gossip.buffers.vector import BFLOAT16, all_finite
+from gossip.buffers.vector import all_finite, dtype_named
 from gossip.messages import STATE_CHUNK, STATE_MANIFEST, STATE_VERSION, StateManifest
 
 JOINER_KINDS = (STATE_MANIFEST, STATE_CHUNK)  # what a newcomer receives
@@ -194,8 +194,7 @@ class Manifest:
                 or not all(type(d) is int and d >= 0 for d in entry[2])
             ):
                 raise ValueError(f"bad layout entry {shown(entry)}")
-            dtype = BFLOAT16 if entry[1] == "bfloat16" else np.dtype(entry[1])
-            entries.append(Entry(entry[0], dtype, tuple(entry[2])))
+            entries.append(Entry(entry[0], dtype_named(entry[1]), tuple(entry[2])))
         if sum(entry.span for entry in entries) != total:
             raise ValueError("the layout does not add up to the total size")
         return cls(tuple(entries), dict(counters), total)
@@ -232,7 +231,7 @@ class Assembly:
             lo, hi = max(start, offset), min(stop, offset + entry.nbytes)
             if lo < hi and entry.dtype.kind in "fV":
                 values = piece[lo - start : hi - start].view(entry.dtype)
-                if not all_finite(values.astype(np.float32) if entry.dtype == BFLOAT16 else values):
+                if not all_finite(values.astype(np.float32) if entry.dtype.name == "bfloat16" else values):
                     raise ValueError(f"{entry.name} has NaN or infinite values (chunk {index})")
             offset += entry.span
         self.buffer[start:stop] = piece

@@ -3,8 +3,9 @@
 A transfer goes at the link's pace, not the training loop's: from the first training step on
 (:meth:`StateServer.start`), requests are answered as they come by a thread of its own
 (``PeerNetwork.start_background``), so a newcomer never waits for a member's step to end (a
-step of a large model takes seconds, which a whole transfer may not). Each chunk is read from the live state when it is asked for
-(``gossip.state.live``), so serving costs no copy of the state, only the chunks in flight.
+step of a large model takes seconds, which a whole transfer may not). Each chunk is read from
+the live state when it is asked for (``gossip.state.live``), so serving costs no copy of the
+state, only the chunks in flight.
 
 What a requester can make a source do is bounded: it answers members only, at most
 ``MAX_TRANSFERS`` requesters at once (a slot is taken over from a requester silent for
