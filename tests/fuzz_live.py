@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
-from helpers import addresses, wait_until
+from helpers import HANG_S, addresses, wait_until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -361,7 +361,7 @@ class FuzzTarget:
     def start(self) -> None:
         self.target.start()
         self.friend.start()
-        self.target.wait_ready(20, expect=2)
+        self.target.wait_ready(HANG_S, expect=2)
         self._reader.start()
 
     def close(self) -> None:

@@ -24,6 +24,11 @@ from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology
 
+HANG_S = 600.0
+"""How long a test waits for what must happen before it calls the product hung. Only a hang
+reaches it: it bounds no speed (a loaded machine may take minutes where a quiet one takes a
+second); speed targets are measured by bench/ scripts."""
+
 
 def addresses(count: int) -> list[str]:
     return [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
@@ -42,7 +47,7 @@ def started_peers(ids: list[str], expect: int | None = None) -> Iterator[list[Pe
         for peer in peers:
             peer.start()
         for peer in peers:
-            peer.wait_ready(20, expect=expect or len(ids))
+            peer.wait_ready(HANG_S, expect=expect or len(ids))
         yield peers
     finally:
         for peer in peers:
@@ -183,7 +188,8 @@ def in_background(step: Callable[[], object]) -> Iterator[None]:
         thread.join()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+def wait_until(condition: Callable[[], bool], timeout: float = HANG_S, interval: float = 0.02) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` s pass (its last answer)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

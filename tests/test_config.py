@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import HANG_S
 
 from gossip import Algorithm, Codec, RobustRule
 from gossipmesh.cli import COMMANDS, build_parser, parse_config
@@ -324,7 +325,7 @@ def test_the_command_exits_with_status_2_and_no_listener() -> None:
         with socket.socket() as sock:
             listened |= sock.connect_ex(("127.0.0.1", port)) == 0
         time.sleep(0.01)
-    _, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=HANG_S)
     assert process.returncode == 2 and not listened
     assert err.strip() == (
         "gossipmesh: error: --compression int8 needs --algorithm choco: dpsgd sends whole models, "

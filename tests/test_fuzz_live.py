@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from fuzz_live import Fuzzer, FuzzTarget, fuzz, insider_moves, out_of_bounds, settle
-from helpers import addresses
+from helpers import HANG_S, addresses
 from hostile import free_udp_port, resident_bytes
 
 from p2p import Peer
@@ -33,7 +33,7 @@ def test_no_input_kills_a_live_node_or_grows_it() -> None:
         stats = target.target.stats
         assert stats.messages_rejected > EXAMPLES / 4 and target.taken > 0  # it got deep, and was refused
         newcomer.start()  # the node still serves: a newcomer joins through it
-        newcomer.wait_ready(20, expect=3)
+        newcomer.wait_ready(HANG_S, expect=3)
         assert resident_bytes() - before < 200 << 20
     finally:
         newcomer.close()

@@ -32,15 +32,20 @@ from gossip.buffers.staging import (
     plan_chunks,
     repeated_blocks,
 )
-from gossip.buffers.vector import BFLOAT16, Layout
+from gossip.buffers.vector import Layout, dtype_named
 
-#: the numpy dtype of each torch dtype a model may train in
-NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: BFLOAT16,
+#: the name of the numpy dtype of each torch dtype a model may train in
+FLOAT_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
 }
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype that holds the values of a model's ``dtype`` (one of FLOAT_DTYPES)."""
+    return dtype_named(FLOAT_DTYPES[dtype])
 
 
 class FlatParameters:
@@ -90,10 +95,10 @@ class FlatParameters:
                 f"parameters must share one device, got {devices}; move the whole model with "
                 "model.to(device) first"
             )
-        unknown = {p.dtype for p in everything} - NUMPY_DTYPES.keys()
+        unknown = {p.dtype for p in everything} - FLOAT_DTYPES.keys()
         if unknown:
             raise ValueError(
-                f"gossip averages float parameters ({', '.join(map(str, NUMPY_DTYPES))}), not {unknown}"
+                f"gossip averages float parameters ({', '.join(map(str, FLOAT_DTYPES))}), not {unknown}"
             )
         device = unique[0].device
         dtypes = {t.dtype for t in everything}
@@ -108,7 +113,7 @@ class FlatParameters:
             )
         self.param_size = sum(p.numel() for p in unique)
         self.model_size = self.param_size + sum(t.numel() for t in held)
-        self.layout = Layout(tuple((NUMPY_DTYPES[b.dtype], b.numel()) for b in self.buckets))
+        self.layout = Layout(tuple((numpy_dtype(b.dtype), b.numel()) for b in self.buckets))
         self.vector_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
         in_place = (
             len(self.buckets) == 1 and self.buckets[0].dtype == self.vector_dtype and device.type == "cpu"

@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from gossip.buffers.flat import NUMPY_DTYPES, FlatParameters
+from gossip.buffers.flat import FlatParameters, numpy_dtype
 from gossip.state.manifest import (
     BUFFER_PREFIX,
     SCALAR_PREFIX,
@@ -111,20 +111,20 @@ Found = list[tuple[str, torch.dtype, list[torch.Tensor]]]  # name, dtype, the te
 
 def _entries(arrays: Found) -> list[Entry]:
     return [
-        Entry(name, NUMPY_DTYPES[dtype], (sum(s.numel() for s in parts),)) for name, dtype, parts in arrays
+        Entry(name, numpy_dtype(dtype), (sum(s.numel() for s in parts),)) for name, dtype, parts in arrays
     ]
 
 
 def _readers(arrays: Found) -> list[tuple[int, Reader]]:
     return [
-        (NUMPY_DTYPES[dtype].itemsize * sum(s.numel() for s in parts), partial(_read_bytes, parts, dtype))
+        (numpy_dtype(dtype).itemsize * sum(s.numel() for s in parts), partial(_read_bytes, parts, dtype))
         for _, dtype, parts in arrays
     ]
 
 
 def _read_bytes(segments: Sequence[torch.Tensor], dtype: torch.dtype, start: int, stop: int) -> np.ndarray:
     """Bytes ``start:stop`` of ``segments`` one after the other in ``dtype``, as a new array."""
-    itemsize = NUMPY_DTYPES[dtype].itemsize
+    itemsize = numpy_dtype(dtype).itemsize
     first, last = start // itemsize, -(-stop // itemsize)
     pieces, offset = [], 0
     for segment in segments:

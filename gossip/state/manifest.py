@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gossip.buffers.vector import BFLOAT16, all_finite
+from gossip.buffers.vector import all_finite, dtype_named
 from gossip.messages import STATE_CHUNK, STATE_MANIFEST, STATE_VERSION, StateManifest
 
 # the names of a state's arrays: "params", then BUFFER_PREFIX + each per-parameter buffer of the
@@ -210,8 +210,7 @@ class Manifest:
                 or not all(type(d) is int and d >= 0 for d in entry[2])
             ):
                 raise ValueError(f"bad layout entry {shown(entry)}")
-            dtype = BFLOAT16 if entry[1] == "bfloat16" else np.dtype(entry[1])
-            entries.append(Entry(entry[0], dtype, tuple(entry[2])))
+            entries.append(Entry(entry[0], dtype_named(entry[1]), tuple(entry[2])))
         if sum(entry.span for entry in entries) != total:
             raise ValueError("the layout does not add up to the total size")
         return cls(tuple(entries), dict(counters), total)
@@ -291,7 +290,7 @@ class Assembly:
             if lo < hi:
                 values = piece[lo - start : hi - start].view(entry.dtype)
                 finite = entry.dtype.kind not in "fV" or all_finite(
-                    values.astype(np.float32) if entry.dtype == BFLOAT16 else values
+                    values.astype(np.float32) if entry.dtype.name == "bfloat16" else values
                 )
                 if not finite:
                     raise ValueError(f"{entry.name} has NaN or infinite values (chunk {index})")
