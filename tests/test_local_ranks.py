@@ -4,6 +4,8 @@ rank gossiping its slice with the same rank of the other machines (``gossip.opti
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import math
 import multiprocessing
@@ -21,6 +23,7 @@ import pytest
 import torch
 from helpers import addresses
 from host_mesh import HostMesh
+from torch.distributed.fsdp import fully_shard
 
 import gossipmesh
 from gossip import GossipOptimizer
@@ -139,14 +142,18 @@ def _machine_rank(
     runs: list[str],
     finish: Finish,
     results: Any,
+    *,
+    shard: bool = False,
 ) -> None:
     """One rank, training a linear model whose target differs by machine (so gossip must move
     it) once per run in ``runs``, one after another on the same machine and mesh (each run's
-    algorithm its own message kinds)."""
+    algorithm its own message kinds); with ``shard``, the model sharded over the machine's
+    ranks by FSDP2."""
     try:
         group, network = _join_machine(machine, rank, master_port, listen)
         outcome = {
-            name: _train(machine, rank, network, group, name, (finish, i)) for i, name in enumerate(runs)
+            name: _train(machine, rank, network, group, name, (finish, i), shard=shard)
+            for i, name in enumerate(runs)
         }
         results.put((machine, rank, outcome))
         network.close()
@@ -181,18 +188,25 @@ def _train(
     group: LocalGroup,
     run: str,
     finish: tuple[Finish, int],
+    *,
+    shard: bool = False,
 ) -> RankRun:
     """One run of ``run`` on this rank, until every machine has mixed enough (``finish``: the
-    shared record and this run's index in it)."""
-    model = torch.nn.Linear(40, 1)
+    shared record and this run's index in it). With ``shard`` the model has two outputs,
+    sharded by FSDP2 over the two ranks: each rank holds one output's row and bias."""
+    model = torch.nn.Linear(40, 2 if shard else 1)
     torch.nn.init.zeros_(model.weight)
     torch.nn.init.zeros_(model.bias)
+    if shard:
+        fully_shard(model)  # (over the default process group: the machine's ranks)
     sent, local = network.stats.bytes_sent, group.bytes_local
     optimizer = GossipOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05),
         peer=network,
         local_group=group,
         round_timeout=10,
+        shard=shard,
+        model=model if shard else None,
         **RUNS[run],
     )
     data = torch.Generator().manual_seed(100 * machine + rank)  # every rank its own batches
@@ -264,9 +278,10 @@ def _finished(
     return not group.agree(not end or optimizer.round < end)  # (the ranks read it apart: they agree)
 
 
-def _three_machines(runs: list[str]) -> dict[tuple[int, int], dict[str, RankRun]]:
+def _three_machines(runs: list[str], *, shard: bool = False) -> dict[tuple[int, int], dict[str, RankRun]]:
     """Every rank's runs: 3 machines of 2 ranks, forked, a gloo group per machine."""
-    return _forked_machines(3, _machine_rank, addresses(3), runs, Finish(len(runs)))
+    target = functools.partial(_machine_rank, shard=shard)
+    return _forked_machines(3, target, addresses(3), runs, Finish(len(runs)))
 
 
 def _forked_machines(machines: int, target: Callable[..., None], *args: Any) -> dict[tuple[int, int], Any]:
@@ -347,6 +362,99 @@ def test_every_algorithm_gossips_slices_and_keeps_a_machine_one_replica() -> Non
             else:
                 assert first.digests == second.digests, name
             assert second.sent >= 21 * 4, name  # rank 1 gossiped its own slice
+
+
+@pytest.mark.mesh
+@pytest.mark.usefixtures("no_other_threads")
+def test_every_algorithm_gossips_the_shards_of_a_model_sharded_by_fsdp() -> None:
+    """With ``shard=True`` each rank holds half of the model (FSDP2) and gossips only that half,
+    with the same rank of the other machines: D-PSGD, SGP, AD-PSGD, CHOCO and local steps
+    each pull the machines' halves together (alone, their biases reach -0.02, 0.89, 1.95)."""
+    names = ["dpsgd", "sgp", "adpsgd", "choco", "local steps"]
+    outcomes = _three_machines(names, shard=True)
+    for name in names:
+        for rank in range(2):
+            biases = [outcomes[m, rank][name].bias for m in range(3)]  # (each rank: its output's bias)
+            print(f"{name}, rank {rank}: machines' biases {np.round(biases, 3)}")
+            assert max(biases) - min(biases) < (1.2 if name == "adpsgd" else 0.6), (name, rank, biases)
+            if name == "dpsgd":
+                assert all(abs(b - 1.0) < 0.25 for b in biases), biases
+            for machine in range(3):
+                run = outcomes[machine, rank][name]
+                assert run.params.size == 41, run.params.size  # its shard: one row and one bias of 82
+                assert run.sent >= 41 * 4, (name, run.sent)  # it gossiped its shard itself
+
+
+def _sharded_rank(machine: int, rank: int, master_port: int, listen: list[str], results: Any) -> None:
+    """A rank of a model sharded unevenly by FSDP2 (rank 1 holds a padded shard and an empty
+    one), trained with AdamW beside the same model whole on the mean of both ranks' gradients."""
+    try:
+        group, network = _join_machine(machine, rank, master_port, listen)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        whole = copy.deepcopy(model)
+        fully_shard(model[0])
+        fully_shard(model)
+        optimizer = GossipOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.1),
+            peer=network,
+            local_group=group,
+            shard=True,
+            model=model,
+        )
+        reference = torch.optim.AdamW(whole.parameters(), lr=0.1)
+        batches = [torch.randn(4, 5, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(batches[rank]).pow(2).mean().backward()  # (FSDP reduce-scatters the mean gradient)
+            optimizer.step()
+            reference.zero_grad()
+            (sum(whole(x).pow(2).mean() for x in batches) / 2).backward()
+            reference.step()
+        gap = _gap(model, whole)
+        snapshot = optimizer.snapshot()
+        optimizer.flat.array[:] = 0.5  # what gossip writes into the shard is what FSDP gathers next
+        gathered = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+        output = float(model(torch.ones(1, 5)).item())
+        model.reshard()  # (the root keeps its parameters gathered after a forward pass alone)
+        optimizer.restore(snapshot)  # (the shard's own state back, moments included)
+        restored = _gap(model, whole)
+        sizes = {k: v.size for k, v in snapshot.tensors.items()}
+        moments = [tuple(optimizer.state[p]["exp_avg"].to_local().shape) for p in model.parameters()]
+        results.put(
+            (machine, rank, (optimizer.flat.array.size, gap, gathered, output, restored, sizes, moments))
+        )
+        optimizer.close()
+        network.close()
+    except BaseException:
+        results.put((machine, rank, traceback.format_exc()))
+
+
+def _gap(sharded: torch.nn.Module, whole: torch.nn.Module) -> float:
+    """The largest difference between a sharded model's parameters (gathered) and a whole one's."""
+    pairs = zip(sharded.parameters(), whole.parameters(), strict=True)
+    return max(float((p.full_tensor() - q).abs().max()) for p, q in pairs)
+
+
+@pytest.mark.mesh
+@pytest.mark.usefixtures("no_other_threads")
+def test_a_sharded_model_trains_as_the_whole_one_from_shards_the_flat_buffer_holds() -> None:
+    """The flat buffer is each rank's shard of every parameter, in place: AdamW steps through it
+    as on the whole model (FSDP's reduce-scatter averages the gradients, the optimizer adds
+    none), what is written into it is what the next forward pass gathers (padded shards
+    included), and a rank's state (parameters, moments) is its shard's."""
+    outcomes = _forked_machines(1, _sharded_rank, addresses(1))
+    (size_0, gap_0, gathered, output, restored_0, sizes_0, moments_0) = outcomes[0, 0]
+    (size_1, gap_1, _, _, restored_1, sizes_1, moments_1) = outcomes[0, 1]
+    assert (size_0, size_1) == (2 * 5 + 2 + 3 + 1, 5 + 1)  # rows 0-1 of 3 and row 0 of 1; rank 1: row 2
+    assert max(gap_0, gap_1, restored_0, restored_1) < 1e-6
+    assert torch.equal(gathered, torch.full((22,), 0.5))
+    assert output == pytest.approx(0.5 + 0.5 * 3 * math.tanh(0.5 * 5 + 0.5))
+    assert (
+        sizes_0["params"] == sizes_0["optimizer.exp_avg"] == size_0
+        and sizes_1["optimizer.exp_avg_sq"] == size_1
+    )
+    assert moments_0 == [(2, 5), (2,), (1, 3), (1,)] and moments_1 == [(1, 5), (1,), (0, 3), (0,)]
 
 
 def _scaled_rank(machine: int, rank: int, master_port: int, listen: list[str], results: Any) -> None:

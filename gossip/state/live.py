@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gossip.buffers.flat import NUMPY_DTYPES, FlatParameters
+from gossip.buffers.shards import local_tensor
 from gossip.state.manifest import Counters, Entry, Reader, Snapshot, read_stream, split
 
 
@@ -85,8 +86,8 @@ class LiveState:
         arrays = [("params", self._dtype, params)]
         pairs = [(p, self._optimizer.state.get(p, {})) for p in self._params]
         buffers = {k for p, state in pairs for k, v in state.items() if _like(v, p)}
-        for key in sorted(buffers):
-            parts = [state[key] if key in state else torch.zeros_like(p) for p, state in pairs]
+        for key in sorted(buffers):  # (of a sharded model: this rank's shards)
+            parts = [local_tensor(state[key] if key in state else torch.zeros_like(p)) for p, state in pairs]
             arrays.append((f"optimizer.{key}", self._dtype, parts))
         scalars = {
             k for _, state in pairs for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0
