@@ -7,10 +7,13 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 import math
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -39,6 +42,7 @@ from p2p.address import free_ports
 from p2p.endpoint.local_rank import decode_view, encode_view
 from p2p.membership.table import ConflictError, Member, MemberTable, Status
 
+NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 MACHINE = Member("m0", "tcp://10.0.0.1:7000", 5, 0, Status.ALIVE, key="", ranks=("tcp://10.0.0.1:7001",))
 
 
@@ -600,3 +604,88 @@ def test_machines_of_two_ranks_train_lose_a_rank_and_the_machine_comes_back(tmp_
     drawn = [r["data_batches"] for r in again["local_ranks"]]
     assert drawn[0] == drawn[1] > before > 0, (before, drawn)
     assert again["timeline"][0]["accuracy"] > 0.5  # from its checkpoint / the mesh, not scratch
+
+
+def _machines_mesh(run_dir: Path, *flags: str) -> dict[str, Any]:
+    """The report of ``gossipmesh mesh`` of 3 machines of 2 local ranks on 127.0.0.1, digits."""
+    command = ["mesh", "--run-dir", str(run_dir), "--nodes", "3", "--local-ranks", "2", "--steps", "200"]
+    result = subprocess.run(
+        [sys.executable, NODE_PY, *command, "--plot", "none", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report: dict[str, Any] = json.loads((run_dir / "report.json").read_text())
+    assert [n["status"] for n in report["nodes"]] == ["finished"] * 3, [n["error"] for n in report["nodes"]]
+    return report
+
+
+def _held(rank: dict[str, Any]) -> int:
+    """The bytes of parameters and optimizer state a rank held (its report entry)."""
+    return int(rank["parameter_bytes"] + rank["optimizer_state_bytes"])
+
+
+@pytest.mark.mesh
+def test_sharded_machines_reach_the_accuracy_of_whole_ones_holding_half_the_model(tmp_path: Path) -> None:
+    """The same mesh (3 machines of 2 ranks, the same seed) with and without ``--shard``: the
+    sharded machines' ranks each hold half of the parameters and optimizer state, gossip only
+    that half, and the machines reach the accuracy of the unsharded ones."""
+    whole = _machines_mesh(tmp_path / "whole")
+    sharded = _machines_mesh(tmp_path / "sharded", "--shard")
+    accuracy = {
+        name: float(np.mean([n["final"]["accuracy"] for n in report["nodes"]]))
+        for name, report in (("whole", whole), ("sharded", sharded))
+    }
+    print(f"mean accuracy: {accuracy}")
+    assert accuracy["sharded"] >= 0.9 and abs(accuracy["sharded"] - accuracy["whole"]) <= 0.01, accuracy
+    for machine, split in zip(whole["nodes"], sharded["nodes"], strict=True):
+        assert len({r["params_digest"] for r in machine["local_ranks"]}) == 1  # one replica...
+        assert len({r["params_digest"] for r in split["local_ranks"]}) == 2  # ...or two halves
+        for one, half in zip(machine["local_ranks"], split["local_ranks"], strict=True):
+            assert 0.45 < _held(half) / _held(one) < 0.55, (_held(half), _held(one))
+            assert half["parameters"] * 2 == one["parameters"]  # (the digits model shards evenly)
+        # the machine sends each parameter once a round, as the ranks' slices do unsharded
+        assert 0.9 < split["bytes_sent"] / machine["bytes_sent"] < 1.1
+
+
+@pytest.mark.mesh
+@pytest.mark.usefixtures("no_other_threads")
+def test_a_sharded_machine_killed_and_restarted_rejoins_from_its_shards(tmp_path: Path) -> None:
+    """3 namespace hosts of 2 ranks with ``--shard``: machine 2 is killed (its supervisor, and
+    the ranks with it), restarted with the same command line, resumes each rank from its own
+    shard's checkpoint and takes the mesh's newer shards from the same ranks of the others."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with netns.lan(3) as hosts:
+        flags = ("--steps", "300", "--compute-ms", "5", "--local-ranks", "2", "--shard")
+        mesh = HostMesh(hosts, tmp_path, *flags)
+        mesh.start_all(timeout=120)
+        ranks = _rank_pids(mesh, 2)
+        mesh.signal(2, signal.SIGKILL)  # the machine dies: its ranks die with their supervisor
+        for pid in ranks:
+            while (
+                Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+            ):
+                time.sleep(0.05)
+        left_off = [load_newest(mesh.state(2)), load_newest(mesh.state(2) / "rank-1")]
+        restarted_at = mesh.clock()
+        mesh.start(2, expect=3, bootstrap=0, logs="restart")
+        mesh.wait(timeout=240)
+    reports = {i: mesh.report(i) for i in range(3)}
+    for i, node in reports.items():
+        assert node["status"] == "finished" and node["steps"] == 300, node["error"]
+        assert node["final"]["accuracy"] >= 0.93, (i, node["final"])
+        ranks_of = node["local_ranks"]
+        assert [r["steps"] for r in ranks_of] == [300, 300]
+        assert ranks_of[0]["params_digest"] != ranks_of[1]["params_digest"]  # two halves
+    assert all(c is not None for c in left_off), left_off  # each rank checkpointed its shard
+    assert left_off[0].tensors["params"].size == left_off[1].tensors["params"].size  # (halves)
+    again = reports[2]
+    assert again["resumed_from"] and again["t_joined"] > restarted_at
+    # a shard's state: its parameters and momentum, not the whole model's (four times its parameters)
+    assert again["state_transfer"]["bytes"] < 3 * left_off[0].tensors["params"].nbytes
+    drawn = [r["data_batches"] for r in again["local_ranks"]]  # each rank went on in its data
+    assert drawn[0] == drawn[1] > left_off[0].counters["data_batches"] > 0, drawn
+    assert again["timeline"][0]["accuracy"] > 0.5  # from its shards and the mesh's, not scratch

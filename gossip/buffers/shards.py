@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from gossip.buffers.staging import repeated_blocks
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (this rank's shard, the DTensor's own memory); any other tensor
@@ -105,3 +107,47 @@ def _param_groups(module: torch.nn.Module) -> list[Any]:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
+
+
+def shard_model(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, device: str = "cpu"
+) -> None:
+    """Shard ``model`` over the default process group (a machine's local ranks) with FSDP2:
+    each of its blocks (``gossip.buffers.staging.repeated_blocks``: gathered one at a time in a
+    forward pass), then the whole. ``optimizer``, made on the model's parameters before (and
+    not stepped yet), then holds the sharded ones in their place. A model made on the meta
+    device (``with torch.device("meta")``: a model larger than a rank's memory is never whole
+    on one) is then made on ``device``, shard by shard, by its modules' ``reset_parameters``."""
+    from torch.distributed.fsdp import fully_shard
+
+    before = dict(model.named_parameters())
+    for block in repeated_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    if optimizer is None:
+        return
+    if optimizer.state:
+        raise ValueError("shard the model before the optimizer's first step (its state is the whole model's)")
+    after = {id(before[name]): param for name, param in model.named_parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [after.get(id(p), p) for p in group["params"]]
+
+
+def whole_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """``model``'s parameters whole: a sharded one gathered from every rank (a collective)."""
+    return [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free what a forward pass alone (an evaluation) left gathered of a sharded model: FSDP2's
+    root keeps its parameters whole for the backward pass it expects."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()

@@ -533,6 +533,17 @@ class GossipOptimizer(torch.optim.Optimizer):
             ],
         )
 
+    def footprint(self) -> dict[str, int]:
+        """What this process holds of the model (with ``shard``: of its shard): ``parameters``,
+        their bytes, and the bytes of the wrapped optimizer's state (its tensors' here)."""
+        local = [local_tensor(p) for p in self._params]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {
+            "parameters": sum(t.numel() for t in local),
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in local),
+            "optimizer_state_bytes": sum(local_tensor(v).numel() * v.element_size() for v in state),
+        }
+
     @property
     def rounds_per_s(self) -> float:
         """This node's gossip rate so far (0 before its first round)."""
