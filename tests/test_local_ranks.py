@@ -504,9 +504,17 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
 
 
 def _session_rank(
-    machine: int, rank: int, master_port: int, ports: list[int], state: Path, results: Any
+    machine: int,
+    rank: int,
+    master_port: int,
+    ports: list[int],
+    state: Path,
+    results: Any,
+    *,
+    shard: bool = False,
 ) -> None:
-    """A user's own loop under torchrun: ``gossipmesh.Session`` on each rank of 2 machines."""
+    """A user's own loop under torchrun: ``gossipmesh.Session`` on each rank of 2 machines (with
+    ``shard``: a model of two outputs made on the meta device, sharded by the Session)."""
     try:
         _torchrun_environment(rank, master_port)
         argv = ["--id", f"m{machine}", "--listen", f"tcp://127.0.0.1:{ports[machine]}", "--expect", "2"]
@@ -514,12 +522,12 @@ def _session_rank(
         config = gossipmesh.node_config(
             [*argv, "--insecure", "--state-dir", str(state / f"m{machine}")], env={}
         )
-        model = torch.nn.Linear(40, 1)
-        torch.nn.init.zeros_(model.weight)
-        torch.nn.init.zeros_(model.bias)
-        with gossipmesh.Session(config, model, torch.optim.SGD(model.parameters(), lr=0.05)) as node:
-            shard = node.shard
-            data = torch.Generator().manual_seed(shard[0])
+        with torch.device("meta" if shard else "cpu"):
+            model = torch.nn.Linear(40, 2 if shard else 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        with gossipmesh.Session(config, model, optimizer, shard=shard) as node:
+            node.optimizer.flat.array[:] = 0.0  # (the parameters, or this rank's shards of them)
+            data = torch.Generator().manual_seed(node.shard[0])
             truth = torch.randn(40, 1, generator=torch.Generator().manual_seed(7))
             for _ in range(STEPS):
                 x = torch.randn(16, 40, generator=data)
@@ -528,7 +536,7 @@ def _session_rank(
                 loss.backward()
                 node.optimizer.step()
             params = node.optimizer.flat.array.copy()
-        results.put((machine, rank, (shard, params, node.peer.address)))
+        results.put((machine, rank, (node.shard, params, node.peer.address)))
     except BaseException:
         results.put((machine, rank, traceback.format_exc()))
 
@@ -551,6 +559,24 @@ def test_a_users_loop_under_torchrun_is_one_member_per_machine_with_a_session(tm
         checkpoint = load_newest(tmp_path / f"m{machine}")  # the machine's last, by rank 0
         assert checkpoint is not None and checkpoint.counters["steps"] == STEPS
         assert np.array_equal(checkpoint.tensors["params"], first)
+
+
+@pytest.mark.mesh
+@pytest.mark.usefixtures("no_other_threads")
+def test_a_users_loop_under_torchrun_shards_a_meta_model_with_session_shard(tmp_path: Path) -> None:
+    """``Session(..., shard=True)``: the model, made on the meta device, is sharded over the
+    machine's ranks (never whole on one); each rank trains and gossips its half, and keeps the
+    checkpoints of its half (rank 1 in ``STATE_DIR/rank-1``)."""
+    ports = free_ports(2, block=2)
+    outcomes = _forked_machines(2, functools.partial(_session_rank, shard=True), ports, tmp_path)
+    for machine in range(2):
+        for rank, folder in ((0, tmp_path / f"m{machine}"), (1, tmp_path / f"m{machine}" / "rank-1")):
+            _, params, _ = outcomes[machine, rank]
+            assert params.size == 41  # one output's row and bias of the 82
+            assert abs(params[-1] - 1.0) < 0.3, params[-1]  # offsets 0 and 2: averaged towards 1
+            checkpoint = load_newest(folder)
+            assert checkpoint is not None and checkpoint.counters["steps"] == STEPS
+            assert np.array_equal(checkpoint.tensors["params"], params)
 
 
 # -- the daemon: machines on namespace hosts ------------------------------------------------------
