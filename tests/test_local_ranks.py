@@ -34,7 +34,8 @@ from gossip.algorithms.registry import Algorithm
 from gossip.buffers.vector import BFLOAT16, Layout
 from gossip.compression import Codec
 from gossip.optim.local_group import LocalGroup
-from gossipmesh.daemon.checkpoint import load_newest
+from gossipmesh.daemon.checkpoint import load_newest, save_checkpoint
+from gossipmesh.daemon.lifecycle import machine_checkpoint
 from gossipmesh.daemon.local_ranks import rank_endpoint
 from gossipmesh.mesh import netns
 from p2p import LocalRankPeer, Peer
@@ -577,6 +578,35 @@ def test_a_users_loop_under_torchrun_shards_a_meta_model_with_session_shard(tmp_
             checkpoint = load_newest(folder)
             assert checkpoint is not None and checkpoint.counters["steps"] == STEPS
             assert np.array_equal(checkpoint.tensors["params"], params)
+
+
+def _checkpointed_rank(machine: int, rank: int, master_port: int, state: Path, results: Any) -> None:
+    """The checkpoint rank ``rank`` of a sharded machine resumes from, of those in its folder."""
+    try:
+        _torchrun_environment(rank, master_port)
+        group = LocalGroup.from_environment("gloo")
+        folder = state / f"rank-{rank}"
+        taken = machine_checkpoint(group, folder, load_newest(folder))
+        results.put((machine, rank, None if taken is None else taken.counters["steps"]))
+    except BaseException:
+        results.put((machine, rank, traceback.format_exc()))
+
+
+@pytest.mark.usefixtures("no_other_threads")
+@pytest.mark.parametrize(
+    ("written", "taken"),
+    [(([10, 20], [10, 20]), 20), (([10, 20], [10]), 10), (([10, 20], []), None), (([20], [10]), None)],
+)
+def test_a_sharded_machine_resumes_from_the_newest_steps_every_rank_has(
+    written: tuple[list[int], list[int]], taken: int | None, tmp_path: Path
+) -> None:
+    """A rank killed while the others wrote a newer checkpoint holds an older one: the machine
+    resumes all ranks from that; where one has none of the same steps, none resumes."""
+    for rank, steps in enumerate(written):
+        for step in steps:
+            save_checkpoint(tmp_path / f"rank-{rank}", step, {"params": np.zeros(2)}, {"steps": step})
+    outcomes = _forked_machines(1, _checkpointed_rank, tmp_path)
+    assert outcomes[0, 0] == outcomes[0, 1] == taken
 
 
 # -- the daemon: machines on namespace hosts ------------------------------------------------------

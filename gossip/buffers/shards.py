@@ -117,7 +117,8 @@ def shard_model(
     forward pass), then the whole. ``optimizer``, made on the model's parameters before (and
     not stepped yet), then holds the sharded ones in their place. A model made on the meta
     device (``with torch.device("meta")``: a model larger than a rank's memory is never whole
-    on one) is then made on ``device``, shard by shard, by its modules' ``reset_parameters``."""
+    on one) is then made on ``device``, shard by shard, by its modules' ``reset_parameters``
+    (a parameter no module resets is left uninitialized: initialize it after)."""
     from torch.distributed.fsdp import fully_shard
 
     before = dict(model.named_parameters())
@@ -126,10 +127,14 @@ def shard_model(
     fully_shard(model)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
-        for module in model.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+        # on the CPU, DTensor's random ops draw each rank's shard from the rank's own generator:
+        # seeded per rank, the ranks' rows differ and rank r's are the same on every machine
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch.initial_seed() + torch.distributed.get_rank())
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
     if optimizer is None:
         return
     if optimizer.state:

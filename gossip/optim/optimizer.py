@@ -426,8 +426,10 @@ class GossipOptimizer(torch.optim.Optimizer):
         to the device, each block (``blocks``; None: the items of the model's largest
         ModuleList or Sequential) waiting only for its own parameters (forward pre-hooks, kept
         for the optimizer's life; see ``gossip.buffers.staging`` for what this asks of the model). Only
-        a model on a GPU uploads in the background; elsewhere this does nothing."""
-        if self.flat.uploads_in_background and not self.mixes_in_place and not self._overlapping:
+        a model on a GPU uploads in the background; elsewhere, and for a sharded model (FSDP
+        gathers a block from its shards before the block's hooks run), this does nothing."""
+        overlaps = self.flat.uploads_in_background and not self.mixes_in_place and not self.shard
+        if overlaps and not self._overlapping:
             self.flat.overlap_upload(model, blocks)
             self._overlapping = True
 
