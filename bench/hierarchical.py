@@ -32,10 +32,12 @@ root needed). Printed per arm and rank: the peak of its resident memory above wh
 ``--rank-memory-mb B`` gives every rank a budget the kernel enforces (``RLIMIT_DATA``: what the
 rank may map beyond what it had started with, threads' stacks included): a model over the
 budget fails to allocate in the replica arm and trains sharded. On 2 loaded CPU cores, 2
-machines x 2 ranks, 16.9M parameters, 12 steps, ``--rank-memory-mb 450``: the replica ranks
-failed (MemoryError), the shard ranks trained at a peak of 341-343 MB (101 MB held: half the
-parameters and AdamW state); without the budget the replica ranks peaked at 470-519 MB (202 MB
-held), 1.73 s a step against 3.07 s sharded (gloo all-gathers each block on the CPU):
+machines x 2 ranks, 16.9M parameters, 30 steps: the replica ranks peaked at 501-519 MB (202 MB
+held), 2.25 s a step; the shard ranks at 343-345 MB (101 MB held: half the parameters and
+AdamW state), 3.96 s a step (gloo all-gathers and reduce-scatters each block on the CPU; 2.44
+s in a quieter run). With ``--rank-memory-mb 450`` the replica ranks failed (MemoryError) and
+the shard ranks trained. (The accuracy it prints is chance for both arms: 30 steps of a deep
+plain MLP; the arms compare memory and time.)
 
     python bench/hierarchical.py --shard --machines 2 [--ranks 2] [--width 1024] [--depth 16]
                                  [--steps 30] [--rank-memory-mb 450]
