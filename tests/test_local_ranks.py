@@ -663,8 +663,10 @@ def test_machines_of_two_ranks_train_lose_a_rank_and_the_machine_comes_back(tmp_
 
 
 def _machines_mesh(run_dir: Path, *flags: str) -> dict[str, Any]:
-    """The report of ``gossipmesh mesh`` of 3 machines of 2 local ranks on 127.0.0.1, digits."""
+    """The report of ``gossipmesh mesh`` of 3 machines of 2 local ranks, digits: on namespace
+    hosts where this process may make them, else on 127.0.0.1."""
     command = ["mesh", "--run-dir", str(run_dir), "--nodes", "3", "--local-ranks", "2", "--steps", "200"]
+    command += ["--hosts", "local" if netns.unavailable() else "netns"]
     result = subprocess.run(
         [sys.executable, NODE_PY, *command, "--plot", "none", *flags],
         capture_output=True,
@@ -684,9 +686,9 @@ def _held(rank: dict[str, Any]) -> int:
 
 @pytest.mark.mesh
 def test_sharded_machines_reach_the_accuracy_of_whole_ones_holding_half_the_model(tmp_path: Path) -> None:
-    """The same mesh (3 machines of 2 ranks, the same seed) with and without ``--shard``: the
-    sharded machines' ranks each hold half of the parameters and optimizer state, gossip only
-    that half, and the machines reach the accuracy of the unsharded ones."""
+    """The same mesh (3 machines of 2 ranks on namespace hosts, the same seed) with and without
+    ``--shard``: the sharded machines' ranks each hold half of the parameters and optimizer
+    state, gossip only that half, and the machines reach the accuracy of the unsharded ones."""
     whole = _machines_mesh(tmp_path / "whole")
     sharded = _machines_mesh(tmp_path / "sharded", "--shard")
     accuracy = {
