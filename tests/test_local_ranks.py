@@ -38,6 +38,7 @@ from gossipmesh.daemon.checkpoint import load_newest, save_checkpoint
 from gossipmesh.daemon.lifecycle import machine_checkpoint
 from gossipmesh.daemon.local_ranks import rank_endpoint
 from gossipmesh.mesh import netns
+from gossipmesh.sim.memory import MemoryNetwork
 from p2p import LocalRankPeer, Peer
 from p2p.address import free_ports
 from p2p.endpoint.local_rank import decode_view, encode_view
@@ -99,6 +100,14 @@ def test_a_slice_of_the_wire_layout_keeps_each_buckets_dtype() -> None:
     assert layout.slice(11, 15).buckets == ((np.dtype(np.float32), 4),)
     assert rank_endpoint("tcp://0.0.0.0:7000", 3) == "tcp://0.0.0.0:7003"
     assert rank_endpoint("tcp://127.0.0.1:0", 1) == "tcp://127.0.0.1:0"
+
+
+def test_shard_without_a_machine_says_what_to_give() -> None:
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"give local_group .* and model"):
+        GossipOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), peer=MemoryNetwork().join("a"), shard=True
+        )
 
 
 # -- three machines of two ranks, forked, on 127.0.0.1 -------------------------------------------
