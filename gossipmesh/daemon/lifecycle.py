@@ -177,9 +177,10 @@ def join_running_mesh(
     while True:
         going = time.monotonic() < deadline and not cancelled()
         sources = _sources(peer, left_out) if going and isinstance(peer, Peer) else []
-        if group is not None:  # (rank 0's choice: go on with these sources, or stop)
+        if group is not None:  # rank 0's choice (go on with these sources, or stop), and its view
             going = bool(group.share_int(int(going) if group.rank == 0 else None))
             sources = share_members(group, sources if group.rank == 0 else None)
+            group.share_view(peer)  # (each rank reaches the sources' ranks through it)
         if not going:
             break
         if not sources:
