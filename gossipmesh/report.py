@@ -75,7 +75,8 @@ class NodeRecord:
     codec_per_epoch: list[list[int | str]] = field(default_factory=list)
     # a machine of several local ranks (--local-ranks): one entry per rank (local_rank, address,
     # steps, bytes_sent and bytes_received on the network, bytes_local through the machine's
-    # collectives, params_digest of its final parameters); the machine's bytes_sent /
+    # collectives, params_digest of its final parameters (with --shard: of its shard), and what
+    # it holds: parameters, parameter_bytes, optimizer_state_bytes); the machine's bytes_sent /
     # bytes_received are then the ranks' sums
     local_ranks: list[dict[str, Any]] = field(default_factory=list)
     bytes_local: int = 0  # the ranks' bytes_local summed

@@ -278,6 +278,10 @@ INVALID = [
     (["mesh", "--mix-momentum", "--local-steps", "10"], "not with an outer step (--local-steps)"),
     (["node", "--mix-momentum", "--local-ranks", "2"], "nor with --local-ranks (each rank gossips a slice"),
     (["simulate", "--mix-momentum", "--momentum", "0"], "--mix-momentum: there is no --momentum to mix (0)"),
+    (["mesh", "--shard"], "--shard: shards the model over a machine's local ranks: give --local-ranks N"),
+    (["node", "--shard"], "--shard: shards the model over a machine's local ranks: give --local-ranks N"),
+    (["mesh", "--shard", "--local-ranks", "2", "--dtype", "mixed"], "--shard: FSDP shards a model of one"),
+    (["mesh", "--shard", "--local-ranks", "2", "--dtype", "bfloat16"], None),  # valid
     (["mesh", "--mix-momentum", "--algorithm", "adpsgd"], None),  # valid
     (["topology"], "NAME: give a topology NAME, or --compare"),
 ]

@@ -174,5 +174,5 @@ def test_the_gpu_check_passes_its_dry_run_through_the_staged_path_on_the_cpu() -
     verdicts = [
         line for line in done.stdout.splitlines() if line.endswith(("ok", "ok |", "FAILED", "FAILED |"))
     ]
-    # mixing x2, state transfer, 3 meshes, machines of local ranks, overlapped upload x2
-    assert len(verdicts) == 2 + 1 + 3 + 1 + 2 and not any("FAILED" in line for line in verdicts), done.stdout
+    # mixing x2, state transfer, 3 meshes, machines of local ranks (whole and sharded), overlapped upload x2
+    assert len(verdicts) == 2 + 1 + 3 + 2 + 2 and not any("FAILED" in line for line in verdicts), done.stdout

@@ -69,6 +69,8 @@ class FlatParameters:
             True on a CPU float32 model runs the staged path, as the tests do.
         chunk: elements per staged copy (see ``gossip.buffers.staging``).
         copies: where staged copies run; None: a side stream on a GPU, at once on the CPU.
+        tail: elements allocated after each bucket, outside the vector: room for a reader of a
+            tensor's memory that reads past its end (FSDP2's padded shards, ``gossip.buffers.shards``).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class FlatParameters:
         staged: bool | None = None,
         chunk: int = STAGE_CHUNK,
         copies: CopyStream | None = None,
+        tail: int = 0,
     ) -> None:
         unique = list({id(p): p for p in params}.values())
         if not unique:
@@ -109,7 +112,7 @@ class FlatParameters:
         self.buckets: list[torch.Tensor] = []
         for group in groups:
             self.buckets.append(
-                _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets))
+                _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets), tail=tail)
             )
         self.param_size = sum(p.numel() for p in unique)
         self.model_size = self.param_size + sum(t.numel() for t in held)
@@ -245,12 +248,20 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _bucket(
-    params: list[torch.Tensor], device: torch.device, spans: dict[int, tuple[int, int]], *, base: int
+    params: list[torch.Tensor],
+    device: torch.device,
+    spans: dict[int, tuple[int, int]],
+    *,
+    base: int,
+    tail: int,
 ) -> torch.Tensor:
-    """One flat tensor holding ``params`` (of one dtype), each made a view of it; ``spans``
-    gets each parameter's stretch of the vector (none for an empty one), where the bucket
-    starts at ``base``."""
-    bucket = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+    """One flat tensor holding ``params`` (of one dtype), each made a view of it, in memory of
+    ``tail`` zeros more; ``spans`` gets each parameter's stretch of the vector (none for an
+    empty one), where the bucket starts at ``base``."""
+    size = sum(p.numel() for p in params)
+    memory = torch.empty(size + tail, dtype=params[0].dtype, device=device)
+    memory[size:].zero_()
+    bucket = memory[:size]
     offset = 0
     for param in params:
         view = bucket[offset : offset + param.numel()]

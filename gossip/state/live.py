@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gossip.buffers.flat import FlatParameters, numpy_dtype
+from gossip.buffers.shards import local_tensor
 from gossip.state.manifest import (
     BUFFER_PREFIX,
     SCALAR_PREFIX,
@@ -94,8 +95,8 @@ class LiveState:
         arrays = [("params", self._dtype, params)]
         pairs = [(p, self._optimizer.state.get(p, {})) for p in self._params]
         buffers = {k for p, state in pairs for k, v in state.items() if _like(v, p)}
-        for key in sorted(buffers):
-            parts = [state[key] if key in state else torch.zeros_like(p) for p, state in pairs]
+        for key in sorted(buffers):  # (of a sharded model: this rank's shards)
+            parts = [local_tensor(state[key] if key in state else torch.zeros_like(p)) for p, state in pairs]
             arrays.append((f"{BUFFER_PREFIX}{key}", self._dtype, parts))
         scalars = {
             k for _, state in pairs for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0
@@ -176,7 +177,7 @@ class StateWriter:
                     for param, state in zip(params, states, strict=True):
                         if not _like(state.get(key), param):
                             state[key] = torch.zeros_like(param)
-                    self._buffers[entry.name] = [state[key] for state in states]
+                    self._buffers[entry.name] = [local_tensor(state[key]) for state in states]
 
     def write(self, entry: Entry, first: int, values: np.ndarray) -> None:
         if entry.name in self.scalars:
