@@ -728,7 +728,7 @@ def test_a_sharded_machine_killed_and_restarted_rejoins_from_its_shards(tmp_path
     with netns.lan(3) as hosts:
         flags = ("--steps", "300", "--compute-ms", "5", "--local-ranks", "2", "--shard")
         mesh = HostMesh(hosts, tmp_path, *flags)
-        mesh.start_all(timeout=120)
+        mesh.start_all()
         ranks = _rank_pids(mesh, 2)
         mesh.signal(2, signal.SIGKILL)  # the machine dies: its ranks die with their supervisor
         for pid in ranks:
@@ -739,7 +739,7 @@ def test_a_sharded_machine_killed_and_restarted_rejoins_from_its_shards(tmp_path
         left_off = [load_newest(mesh.state(2)), load_newest(mesh.state(2) / "rank-1")]
         restarted_at = mesh.clock()
         mesh.start(2, expect=3, bootstrap=0, logs="restart")
-        mesh.wait(timeout=240)
+        mesh.wait()
     reports = {i: mesh.report(i) for i in range(3)}
     for i, node in reports.items():
         assert node["status"] == "finished" and node["steps"] == 300, node["error"]

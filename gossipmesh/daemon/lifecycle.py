@@ -176,7 +176,7 @@ def join_running_mesh(
     left_out: set[str] = set()  # sources that sent a bad state or went silent: asked last
     while True:
         going = time.monotonic() < deadline and not cancelled()
-        sources = _sources(peer, left_out) if going and isinstance(peer, Peer) else []
+        sources = _sources(peer, left_out) if going and not isinstance(peer, LocalRankPeer) else []
         if group is not None:  # rank 0's choice (go on with these sources, or stop), and its view
             going = bool(group.share_int(int(going) if group.rank == 0 else None))
             sources = share_members(group, sources if group.rank == 0 else None)
