@@ -50,7 +50,11 @@ from gossip.state.manifest import (
 )
 
 RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
-REASK_S = 0.5  # a first manifest request that brought nothing this soon is sent once more
+# a manifest request that brought nothing this soon is sent again, up to QUICK_ASKS times, then
+# every retry_s: a request sent before the connection is up waits for it only so long (2 s,
+# ``p2p.transport.connections.HANDSHAKE_S``), which a loaded machine's handshake can outlast
+REASK_S = 0.5
+QUICK_ASKS = 8
 POLL_S = 0.25  # how often a fetch looks whether it was cancelled
 
 
@@ -211,8 +215,8 @@ class _Fetch:
             if lane.manifest is None and now >= lane.manifest_due:
                 ask = StateRequest(self.transfer, manifest=True)
                 self.peer.send(lane.source, STATE_REQUEST, 0, meta=ask.encode())
-                lane.asks += 1  # the first is often lost (sent before the connection was up): once more soon
-                lane.manifest_due = now + (REASK_S if lane.asks == 1 else self.retry_s)
+                lane.asks += 1
+                lane.manifest_due = now + (REASK_S if lane.asks < QUICK_ASKS else self.retry_s)
             if lane.owed and now - lane.heard >= self.retry_s:
                 self.stats.reasked += len(lane.owed)
                 lane.stalls += 1
