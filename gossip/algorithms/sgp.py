@@ -18,7 +18,9 @@ this round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends th
 shares and waits only for those of the previous round, which have had a whole local step to
 arrive, so communication hides behind computation. An in-neighbour that has fallen behind (its
 newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
-does not need shares to come in step. A share from one of the next ``HOLD_ROUNDS`` rounds waits
+does not need shares to come in step. Nor is one whose shares arrive consistently later than the
+others' (``gossip.algorithms.pace``): waited for, a slow node never falls behind, and the whole
+mesh would run at its pace. A share from one of the next ``HOLD_ROUNDS`` rounds waits
 for its round (so nodes in step mix exactly as the graph says); any other is mixed in as soon as
 it is read (a node that has fallen far behind takes in the mass the others push to it at once).
 A share older than ``max_staleness`` rounds is dropped and counted. The default bound is
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, RoundStats
+from gossip.algorithms.pace import Pace
 from gossip.buffers.vector import add_scaled
 from gossip.messages import PUSH
 from gossip.network import Envelope, PeerNetwork
@@ -66,6 +69,7 @@ class SGP(Averager):
         self._arrived: set[tuple[str, int]] = set()  # (sender, round) of the shares mixed in
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # shares for rounds this node has not reached
+        self.pace = Pace(tolerate=True, catch_up=0)
 
     def after_step(self) -> RoundStats:
         self._time_round()
@@ -81,14 +85,16 @@ class SGP(Averager):
             for target in row.send_to:
                 self.peer.send(target, PUSH, r, [pushed, weight])
         started = self.peer.now()
+        self.pace.sent(r, started)
         expected = self._expected(r - self.overlap)
         self._take_shares(r, expected)
         wait_s = self.peer.now() - started
         self.round += 1
+        self.pace.mixed(self.peer.now())
         return RoundStats(r, len(expected), len(expected & self._arrived), wait_s, row.topology)
 
     def report(self) -> dict[str, float]:
-        return {**super().report(), "push_sum_weight": round(self.weight, 6)}
+        return {**super().report(), "push_sum_weight": round(self.weight, 6), **self.pace.report()}
 
     def restart(self, round: int) -> None:
         super().restart(round)
@@ -98,11 +104,12 @@ class SGP(Averager):
 
     def _expected(self, r: int) -> set[tuple[str, int]]:
         """The (sender, round) shares this node waits for: round r's in-neighbours' that are
-        keeping up (whose newest share is from round r - 1 or later)."""
+        keeping up (whose newest share is from round r - 1 or later, and not measured to lag)."""
         if r < 0:
             return set()
         row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r, self.peer.not_listening())
-        return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1}
+        slow = self.pace.stragglers(row.receive_from)
+        return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1 and j not in slow}
 
     def _take_shares(self, r: int, expected: set[tuple[str, int]]) -> None:
         """Mix in the shares that have arrived, waiting (bounded) for the expected ones."""
@@ -126,6 +133,7 @@ class SGP(Averager):
     def _mix_in(self, message: Envelope, r: int) -> None:
         if not self._valid(message, self.vector_layout, extra=1):
             return
+        self.pace.arrived(message.sender, message.round, self.peer.now())
         if r < message.round <= r + HOLD_ROUNDS:  # a neighbour a little ahead: keep it for its round
             self._later.append(message)
             return
