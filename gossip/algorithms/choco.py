@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
-from gossip.algorithms.pace import STRAGGLERS, Pace, catch_up_default
+from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
 from gossip.buffers.vector import add_scaled, all_finite
 from gossip.compression import Codec, CodecError, Sparse
@@ -186,8 +186,6 @@ class CHOCO(Averager):
     ) -> None:
         if params.dtype != np.float32:
             raise ValueError(f"CHOCO's codecs work on float32 parameters, not {params.dtype}")
-        if stragglers not in STRAGGLERS:
-            raise ValueError(f"choco stragglers is one of {', '.join(STRAGGLERS)}, got {stragglers!r}")
         super().__init__(peer, params, **common)
         self.codec = codec
         self.step_size = StepSize(gamma)
@@ -197,8 +195,7 @@ class CHOCO(Averager):
         self._replicas: dict[str, _Replica] = {}
         self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
-        tolerate = stragglers == "tolerate"
-        self.pace = Pace(tolerate=tolerate, catch_up=catch_up_default(catch_up, tolerate=tolerate))
+        self.pace = pace_option(self.name, stragglers, catch_up)
         self._stragglers: set[str] = set()  # this round's neighbours not waited for
 
     def after_step(self) -> RoundStats:

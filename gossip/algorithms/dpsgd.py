@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
-from gossip.algorithms.pace import STRAGGLERS, Pace, catch_up_default
+from gossip.algorithms.pace import pace_option
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix
 from gossip.buffers.vector import Frames
@@ -110,8 +110,6 @@ class DPSGD(Averager):
             raise ValueError(f"dpsgd overlap is 0 or 1 round, got {overlap}")
         if catch_up and overlap:
             raise ValueError("dpsgd catch_up skips rounds, overlap mixes the one before: choose one")
-        if stragglers not in STRAGGLERS:
-            raise ValueError(f"dpsgd stragglers is one of {', '.join(STRAGGLERS)}, got {stragglers!r}")
         self.backup = backup
         self.overlap = overlap
         self.streams = overlap == 0 and robust is None and max_staleness == 0
@@ -124,10 +122,7 @@ class DPSGD(Averager):
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
-        tolerate = stragglers == "tolerate"
-        self.pace = Pace(
-            tolerate=tolerate, catch_up=catch_up_default(catch_up, tolerate=tolerate, overlap=overlap)
-        )
+        self.pace = pace_option(self.name, stragglers, catch_up, overlap)
         self._stragglers: set[str] = set()  # this round's neighbours not waited for
 
     def after_step(self) -> RoundStats:

@@ -128,9 +128,13 @@ class Pace:
         return figures
 
 
-def catch_up_default(catch_up: int | None, *, tolerate: bool, overlap: int = 0) -> int:
-    """``catch_up`` as given, else ``CATCH_UP`` for a node that tolerates stragglers (which
-    leave it behind when it is the slow one) and mixes this round's values, else 0."""
-    if catch_up is not None:
-        return catch_up
-    return CATCH_UP if tolerate and not overlap else 0
+def pace_option(algorithm: str, stragglers: str, catch_up: int | None, overlap: int = 0) -> Pace:
+    """The pace of a synchronous algorithm's options ``stragglers=`` and ``catch_up=``; an
+    unset ``catch_up`` is ``CATCH_UP`` for a node that tolerates stragglers (which leave it
+    behind when it is the slow one) and mixes this round's values (no ``overlap``), else 0."""
+    if stragglers not in STRAGGLERS:
+        raise ValueError(f"{algorithm} stragglers is one of {', '.join(STRAGGLERS)}, got {stragglers!r}")
+    tolerate = stragglers == "tolerate"
+    if catch_up is None:
+        catch_up = CATCH_UP if tolerate and not overlap else 0
+    return Pace(tolerate=tolerate, catch_up=catch_up)
