@@ -29,6 +29,7 @@ from gossipmesh.console import emit, say
 from gossipmesh.report import NodeRecord, Progress, build_report, node_record, write_array, write_json
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from p2p import LocalRankPeer, Peer
@@ -48,6 +49,7 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     import torch
 
     from gossip.buffers.flat import host_vector
+    from gossip.buffers.shards import shard_model, whole_parameters
     from gossipmesh.daemon.lifecycle import join_machine, member, resume, share_cores
     from gossipmesh.daemon.local_ranks import gather_rank_records
     from gossipmesh.daemon.metrics import NodeMetrics
@@ -67,6 +69,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     config, group = join_machine(config)
     task = config.task.make()
     model = config.dtype.apply(task.model(config.seed)).to(config.device)
+    if config.shard:  # (FSDP2 over the machine's ranks, before the optimizer takes the shards)
+        shard_model(model)
     # (torch's first optimizer imports for seconds: before joining, not between joining a running
     # mesh and taking its state, while the mesh may end)
     local_optimizer = config.local_optimizer(model)
@@ -81,6 +85,8 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
     trainer: Trainer | None = None
     rank, outcome, error = -1, "failed", None
     when: dict[str, Any] = {}  # resumed_from, t_joined
+    # what --save-params writes: the model's parameters (a sharded model's once gathered)
+    whole: torch.nn.Module | np.ndarray | None = None if config.shard else model
 
     def cancelled() -> bool:
         metrics.beat()  # waiting for peers is the daemon's loop making progress
@@ -128,9 +134,11 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             trainer.run(stop)
         peer.transport.check_running()  # a network that died stopped training: that is a failure
         if group is not None:
-            params = host_vector(model.parameters())
+            gathered = host_vector(whole_parameters(model))  # (with --shard: a collective)
+            whole = gathered
+            mine = trainer.optimizer.flat.model_array if config.shard else gathered
             when["local_ranks"] = gather_rank_records(
-                group, peer, trainer.steps, trainer.data_batches, params
+                group, peer, trainer.steps, trainer.data_batches, mine, trainer.optimizer.footprint()
             )
         outcome = "finished"
     except Exception as exc:
@@ -155,18 +163,22 @@ def run_node(config: NodeConfig, stop: threading.Event) -> NodeRecord:
             error=error,
             **when,
         )
-        _save(config, record, model, peer, time.monotonic() - started)
+        _save(config, record, whole, peer, time.monotonic() - started)
     return record
 
 
 def _save(
     config: NodeConfig,
     record: NodeRecord,
-    model: torch.nn.Module,
+    whole: torch.nn.Module | np.ndarray | None,
     peer: Peer | LocalRankPeer,
     wall_time_s: float,
 ) -> None:
-    """The report first (it says what happened, whatever fails after it), then the parameters."""
+    """The report first (it says what happened, whatever fails after it), then the parameters
+    of the model ``whole`` (or gathered already; None: a sharded machine that failed, whose
+    shards cannot be gathered)."""
+    import torch
+
     from gossip.buffers.flat import host_vector
     from p2p import Peer
 
@@ -179,8 +191,9 @@ def _save(
             membership_events=peer.membership.events if isinstance(peer, Peer) else [],
         )
         write_json(config.report, report)
-    if config.save_params is not None:
-        write_array(config.save_params, host_vector(model.parameters()))
+    if config.save_params is not None and whole is not None:
+        params = host_vector(whole.parameters()) if isinstance(whole, torch.nn.Module) else whole
+        write_array(config.save_params, params)
 
 
 # -- command line ---------------------------------------------------------------------------------

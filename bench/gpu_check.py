@@ -14,7 +14,10 @@
 4. Copy throughput between the device and the pinned host copy (GB/s), per model size.
 6. A mesh of 2 machines of 2 local ranks each (``--local-ranks 2``: one device per rank, NCCL
    inside the machine; gloo with ``--device cpu``) trains to the target with bitwise-equal
-   parameters on the ranks of each machine. Needs 2 GPUs (skipped, and said, with fewer).
+   parameters on the ranks of each machine; and the same with ``--shard`` (FSDP2 over the
+   machine's 2 devices, NCCL's all-gather and reduce-scatter): each rank holds half of the
+   parameters and optimizer state, and the machines train to the target all the same. Needs 2
+   GPUs (skipped, and said, with fewer).
 5. The upload of mixed parameters overlapping the next forward pass (``gossip.buffers.staging``), in
    float32 and bfloat16: the forward pass after an overlapped upload gives bitwise the output
    of one after a blocking upload, and the time of upload + forward, blocking against
@@ -35,6 +38,7 @@ from meshrun import quiet_mesh
 
 from gossip import FlatParameters, GossipOptimizer
 from gossipmesh.sim.memory import MemoryNetwork
+from gossipmesh.tasks.digits import DigitsTask
 
 TARGET = 0.93
 SIZES = (10**6, 10**7, 10**8)
@@ -125,15 +129,24 @@ def check_mesh(device: str, flags: list[str]) -> list[float]:
     return [n["final"]["accuracy"] for n in report["nodes"]]
 
 
-def check_local_ranks(device: str) -> tuple[list[float], bool]:
+def check_local_ranks(device: str, shard: bool = False) -> tuple[list[float], bool]:
     """Two machines of two local ranks: the accuracies, and whether each machine's ranks ended
-    with bitwise-equal parameters."""
-    report = quiet_mesh(
-        ["--nodes", "2", "--local-ranks", "2", "--steps", "300", "--insecure", "--device", device]
-    )
+    as they should: with bitwise-equal parameters, or with ``shard`` each holding its half."""
+    report = quiet_mesh([
+        "--nodes", "2", "--local-ranks", "2", "--steps", "300", "--insecure", "--device", device,
+        *(["--shard"] if shard else []),
+    ])  # fmt: skip
     machines = report["nodes"]
-    equal = all(len({r["params_digest"] for r in m["local_ranks"]}) == 1 for m in machines)
-    return [m["final"]["accuracy"] for m in machines], equal
+    if shard:
+        whole = sum(p.numel() for p in DigitsTask().model(0).parameters())
+        fine = all(
+            len({r["params_digest"] for r in m["local_ranks"]}) == 2
+            and [r["parameters"] * 2 for r in m["local_ranks"]] == [whole, whole]
+            for m in machines
+        )
+    else:
+        fine = all(len({r["params_digest"] for r in m["local_ranks"]}) == 1 for m in machines)
+    return [m["final"]["accuracy"] for m in machines], fine
 
 
 def copy_throughput(device: str, size: int, repeat: int = 5) -> tuple[float, float]:
@@ -233,14 +246,15 @@ def main() -> int:
             f"{name} mesh, node 0 on {device}: accuracy {shown} (target {TARGET})  {'ok' if ok else 'FAILED'}"
         )
     if device == "cpu" or torch.cuda.device_count() >= 2:
-        accuracies, equal = check_local_ranks(device)
-        ok = min(accuracies) >= TARGET and equal
-        failures += not ok
-        shown = ", ".join(f"{a:.3f}" for a in accuracies)
-        print(
-            f"2 machines x 2 local ranks on {device}: accuracy {shown}, ranks equal {equal}  "
-            f"{'ok' if ok else 'FAILED'}"
-        )
+        for shard, holding in ((False, "ranks equal"), (True, "each rank a half")):
+            accuracies, fine = check_local_ranks(device, shard)
+            ok = min(accuracies) >= TARGET and fine
+            failures += not ok
+            shown = ", ".join(f"{a:.3f}" for a in accuracies)
+            print(
+                f"2 machines x 2 local ranks{' --shard' if shard else ''} on {device}: accuracy "
+                f"{shown}, {holding} {fine}  {'ok' if ok else 'FAILED'}"
+            )
     else:
         print(
             f"2 machines x 2 local ranks: skipped, {torch.cuda.device_count()} GPU here "

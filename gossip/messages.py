@@ -58,6 +58,7 @@ _CHECKS: dict[object, Callable[[object], bool]] = {
     bool: lambda v: type(v) is bool,
     str: lambda v: type(v) is str,
     list[int]: lambda v: isinstance(v, list) and all(type(i) is int for i in v),
+    list[float]: lambda v: isinstance(v, list) and all(type(i) is float for i in v),
     list[Any]: lambda v: isinstance(v, list),
     dict[str, Any]: lambda v: isinstance(v, dict) and all(type(k) is str for k in v),
 }
@@ -94,6 +95,15 @@ class Exchange(Payload):
     """AD-PSGD: which exchange a request or its reply belongs to."""
 
     exchange: int
+
+
+@dataclass(frozen=True)
+class PushShare(Payload):
+    """SGP: the share's push-sum weight by segment of the vector, ``weights[i]`` from element
+    ``starts[i]`` on (one segment from 0, unless a share the sender mixed was cut off)."""
+
+    starts: list[int]
+    weights: list[float]
 
 
 @dataclass(frozen=True)
@@ -163,7 +173,7 @@ STATE_REQUEST, STATE_MANIFEST, STATE_CHUNK = "state_request", "state_manifest", 
 #: AD-PSGD's reply; 0 for state transfer, which is outside the rounds)
 KINDS: dict[str, Kind] = {
     PARAMS: Kind(None, "D-PSGD: the model's vector in its wire layout (Layout.pack)"),
-    PUSH: Kind(None, "SGP: the numerator share in the wire layout, then the weight share"),
+    PUSH: Kind(PushShare, "SGP: the sender's de-biased model z, in the vector's own layout"),
     PAIR_REQUEST: Kind(Exchange, "AD-PSGD: the active node's model in the wire layout"),
     PAIR_REPLY: Kind(Exchange, "AD-PSGD: the passive node's model from before it mixed"),
     CHOCO_UPDATE: Kind(ChocoStep, "CHOCO: the codec's frames of q = Q(x - x̂)"),

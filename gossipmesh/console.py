@@ -24,7 +24,8 @@ COLUMNS = (
     ("peers", "peers", "{}"),
 )
 #: the mesh's table adds how far each node's model is from the average model (its live estimate)
-MESH_COLUMNS = (*COLUMNS, ("from avg", "from_average", "{:.1e}"))
+#: and, with --shard, the bytes of each machine's rank 0 shard (parameters and optimizer state)
+MESH_COLUMNS = (*COLUMNS, ("shard", "shard_bytes", "bytes"), ("from avg", "from_average", "{:.1e}"))
 
 
 def human_bytes(n: float) -> str:

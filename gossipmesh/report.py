@@ -63,7 +63,8 @@ class NodeRecord:
     resumed_from: str | None = None  # the checkpoint a restarted node resumed from
     checkpoint_failures: int = 0  # checkpoints that could not be written (each retried later)
     live_params_failures: int = 0  # --live-params copies that could not be written (retried later)
-    # a node that joined a running mesh: bytes, seconds, mb_per_s, chunks per source, reasked
+    # a node that joined a running mesh: bytes, seconds, mb_per_s, chunks per source, reasked,
+    # dropped_sources and outvoted (source -> why)
     state_transfer: dict[str, Any] = field(default_factory=dict)
     timeline: list[TimelinePoint] = field(default_factory=list)
     error: str | None = None
@@ -74,7 +75,8 @@ class NodeRecord:
     codec_per_epoch: list[list[int | str]] = field(default_factory=list)
     # a machine of several local ranks (--local-ranks): one entry per rank (local_rank, address,
     # steps, bytes_sent and bytes_received on the network, bytes_local through the machine's
-    # collectives, params_digest of its final parameters); the machine's bytes_sent /
+    # collectives, params_digest of its final parameters (with --shard: of its shard), and what
+    # it holds: parameters, parameter_bytes, optimizer_state_bytes); the machine's bytes_sent /
     # bytes_received are then the ranks' sums
     local_ranks: list[dict[str, Any]] = field(default_factory=list)
     bytes_local: int = 0  # the ranks' bytes_local summed

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -50,34 +50,24 @@ _HEADER_KEYS = frozenset({"v", "kind", "sender", "session", "seq", "round", "ten
 _OPTIONAL_KEYS = frozenset({"meta", "chunk"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "nbytes"})
 
-if TYPE_CHECKING:
-    #: dtypes a tensor frame may carry; anything else is rejected before an array is built.
-    WIRE_DTYPES: Mapping[str, np.dtype]
+#: dtypes a tensor frame may carry; anything else is rejected before an array is built.
+WIRE_DTYPES = frozenset({
+    "float16", "bfloat16", "float32", "float64",
+    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
+})  # fmt: skip
 
 
 @cache
-def wire_dtypes() -> Mapping[str, np.dtype]:
-    """``WIRE_DTYPES``, made on first use: bfloat16 is ml_dtypes' numpy dtype (the one JAX uses,
-    a model's bf16 values in 2 bytes), and ml_dtypes takes a second to import, which a command
-    that only parses its options should not pay."""
-    import ml_dtypes
+def wire_dtype(name: str) -> np.dtype:
+    """The little-endian numpy dtype of ``name``, one of :data:`WIRE_DTYPES`. bfloat16 is
+    ml_dtypes' (the one JAX uses: a model's bf16 values in 2 bytes), imported only when a
+    bfloat16 frame comes or goes: it takes a second, which a float32 node never pays."""
+    if name == "bfloat16":
+        import ml_dtypes
 
-    return {
-        **{
-            name: np.dtype(name).newbyteorder("<")
-            for name in (
-                "float16", "float32", "float64",
-                "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "bool",
-            )
-        },
-        "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    }  # fmt: skip
-
-
-def __getattr__(name: str) -> Mapping[str, np.dtype]:
-    if name != "WIRE_DTYPES":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return wire_dtypes()
+        bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+        return bfloat16
+    return np.dtype(name).newbyteorder("<")
 
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
@@ -291,8 +281,8 @@ def _chunk(envelope: Message, specs: tuple[TensorSpec, ...], place: Any, pieces:
 
 
 def _wire_dtype_name(dtype: np.dtype) -> str:
-    if dtype.name not in wire_dtypes() or dtype.byteorder == ">":
-        raise ValueError(f"dtype {dtype} cannot go on the wire; use one of {sorted(wire_dtypes())}")
+    if dtype.name not in WIRE_DTYPES or dtype.byteorder == ">":
+        raise ValueError(f"dtype {dtype} cannot go on the wire; use one of {sorted(WIRE_DTYPES)}")
     return dtype.name
 
 
@@ -371,9 +361,10 @@ def shown(value: Any) -> str:
 def _tensor_spec(descriptor: Any, max_bytes: int) -> TensorSpec:
     if not isinstance(descriptor, dict) or set(descriptor) != _TENSOR_KEYS:
         raise WireError("header_schema", f"tensor descriptor must have keys {sorted(_TENSOR_KEYS)}")
-    dtype = wire_dtypes().get(descriptor["dtype"]) if isinstance(descriptor["dtype"], str) else None
-    if dtype is None:
-        raise WireError("dtype", f"dtype {shown(descriptor['dtype'])} is not one of {sorted(wire_dtypes())}")
+    name = descriptor["dtype"]
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
+        raise WireError("dtype", f"dtype {shown(name)} is not one of {sorted(WIRE_DTYPES)}")
+    dtype = wire_dtype(name)
     shape = descriptor["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d, _U64) for d in shape):
         raise WireError("shape", f"shape {shown(shape)} must be a list of at most {MAX_NDIM} sizes")

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.context import SpawnContext
 
@@ -21,13 +23,16 @@ def spawn() -> Iterator[SpawnContext]:
 
 @pytest.fixture
 def no_other_threads() -> None:
-    """A mesh forks its nodes from this process: no other thread may hold a lock then. A thread
-    an earlier test asked to stop may still be finishing on a busy machine: it gets 30 s.
+    """A mesh forks its nodes from this process: no other thread may hold a lock then. Threads
+    an earlier test asked to stop may still be finishing on a busy machine: they get 30 s in
+    all (one that was never asked to stop fails the test then, not after 30 s per thread).
     pyzmq's garbage collector of zero-copy sends stays once a test started it; it blocks in
     ZeroMQ, holds none of our locks, and a forked child starts its own."""
+    gc.collect()  # (an optimizer a test left unclosed, and the thread that served its state)
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    deadline = time.monotonic() + 30
     for thread in others:
         if not isinstance(thread, GarbageCollectorThread):
-            thread.join(30)
+            thread.join(max(0.0, deadline - time.monotonic()))
     alive = [t.name for t in threading.enumerate() if not isinstance(t, GarbageCollectorThread)]
     assert alive == [threading.main_thread().name], alive

@@ -5,12 +5,14 @@ Inputs come from hypothesis strategies built from the wire schema: headers whose
 drawn from what the decoder accepts and what it must refuse; valid messages of every kind a
 node reads (membership, each algorithm's, state transfer, streams of chunks) built by the
 project's own encoders and then mutated (bits flipped, frames cut, dropped or added, one field
-of the header or its meta replaced); and UDP beacons.
+of the header or its meta replaced); UDP beacons; and an insider's moves (:func:`insider_moves`:
+valid messages a member holding a trusted key could send, each one of issue 29's attacks).
 
 The target is a real node, as the daemon runs it: a ``Peer`` in a mesh with a friend, its
 inbox limited to the kinds the daemon reads, and a reader thread that hands each message to
-the code that takes it in (D-PSGD, SGP, CHOCO, AD-PSGD, the state server and a state fetch).
-A death is the network thread stopping or a reader raising: both must never happen.
+the code that takes it in (D-PSGD, SGP, CHOCO, AD-PSGD, the state server and a state fetch),
+with the self-tuning agreements fed from what those accept. A death is the network thread
+stopping or a reader raising: both must never happen.
 """
 
 from __future__ import annotations
@@ -20,30 +22,36 @@ import itertools
 import socket
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
-from helpers import addresses, wait_until
+from helpers import HANG_S, addresses, wait_until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gossip import CHOCO, DPSGD, SGP
+from gossip.algorithms.choco import MAX_PENDING
+from gossip.buffers.pieces import RunningMix
 from gossip.compression import Int8, Sparse
 from gossip.messages import STATE_CHUNK as CHUNK
 from gossip.messages import STATE_MANIFEST as MANIFEST
 from gossip.messages import STATE_REQUEST as REQUEST
 from gossip.messages import STATE_VERSION, StateChunk, StateManifest
-from gossip.state.manifest import Assembly, Manifest, Snapshot
+from gossip.state.manifest import MAX_COUNTER, Assembly, Manifest, Snapshot, StateTransferError, check_fit
 from gossip.state.server import StateServer
+from gossip.tuning.agreement import AgreeingPeer, EpochAgreement
+from gossip.tuning.auto_codec import CodecAgreement
+from gossip.tuning.auto_period import MAX_H, PeriodAgreement
 from gossipmesh.daemon.peers import message_kinds
 from p2p import Peer
 from p2p.membership.beacon import BEACON_VERSION
+from p2p.membership.kinds import GOSSIP, PING, SYNC
 from p2p.membership.protocol import Membership
-from p2p.membership.table import Status
+from p2p.membership.table import Member, Status
 from p2p.security.rejections import Rejections
 from p2p.wire import WIRE_DTYPES, encode, encode_chunks
 from topologies import Topology
@@ -181,9 +189,23 @@ def _valid_messages(draw: st.DrawFn) -> Input:
         meta.update(probe=draw(ints), target=draw(endpoints))
     if kind in ("choco", "choco_full"):
         meta["gamma"] = draw(st.sampled_from([0.05, 1.0]) | st.floats())  # valid ones get past the check
+    chunk_bytes = draw(st.integers(16, 200)) if tensors and draw(st.integers(0, 3)) == 0 else None
+    return _message(kind, round, tensors, meta, sender=sender, chunk_bytes=chunk_bytes)
+
+
+def _message(
+    kind: str,
+    round: int,
+    tensors: list[np.ndarray],
+    meta: dict[str, Any],
+    *,
+    sender: str = "fuzzer",
+    chunk_bytes: int | None = None,
+) -> Input:
+    """One message as the project's encoder makes it; a stream of chunks of ``chunk_bytes``."""
     fields = {"kind": kind, "sender": sender, "round": round, "tensors": tensors, "meta": meta}
-    if tensors and draw(st.integers(0, 3)) == 0:  # as a stream of chunks
-        chunks = encode_chunks(**fields, session=7, seqs=_seqs, chunk_bytes=draw(st.integers(16, 200)))
+    if chunk_bytes is not None:
+        chunks = encode_chunks(**fields, session=7, seqs=_seqs, chunk_bytes=chunk_bytes)
         return Input([[bytes(f) for f in chunk] for chunk in chunks])
     return Input([[bytes(f) for f in encode(**fields, session=7, seq=next(_seqs))]])
 
@@ -235,6 +257,88 @@ beacons = st.builds(lambda b: Input(beacon=msgpack.packb(b, use_bin_type=True)),
 #: everything the fuzzer sends
 wire_inputs = st.one_of(_schema_messages(), _valid_messages(), _mutated(), beacons)
 
+UNREAD_KINDS = ("unread", "telemetry", "params_v2")  # valid on the wire, read by no daemon
+BIG_BYTES = (1 << 20, 4 << 20)  # an unread message's size: the models of issue 29's attack
+
+
+def insider_moves(members: Mapping[str, str], insider: str = "friend") -> st.SearchStrategy[Input]:
+    """What an insider holding a trusted key could send to a mesh whose members are at
+    ``members`` (id -> address), as member ``insider`` (the fuzzer claims its id: the mesh is
+    insecure, the insider is the member whose key went bad), each a well-formed message:
+    phantom member records (new ids sorted right after real ones, at a live member's address,
+    alive or dead), big messages of kinds nobody reads, CHOCO updates for rounds ahead, state
+    manifests that lie (a longer layout, counters at their bounds) and averaging messages
+    carrying forged agreements."""
+    return st.one_of(
+        _phantoms(members, insider),
+        _unread(insider),
+        _future_choco(insider),
+        _lying_manifests(insider),
+        _forged_agreements(insider),
+    )
+
+
+@st.composite
+def _phantoms(draw: st.DrawFn, members: Mapping[str, str], insider: str) -> Input:
+    ids = sorted(members)
+    records = [
+        Member(
+            f"{draw(st.sampled_from(ids))}{i}",
+            members[draw(st.sampled_from(ids))],
+            draw(st.integers(1, 2**31)),
+            draw(st.integers(0, 3)),
+            draw(st.sampled_from([Status.ALIVE, Status.ALIVE, Status.DEAD, Status.SUSPECT])),
+            first_round=draw(st.integers(0, 100)),
+        ).to_wire()
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    kind = draw(st.sampled_from([GOSSIP, SYNC, PING]))
+    meta = {"updates": records, "reply_to": draw(st.sampled_from([*members.values()]))}
+    meta = {**meta, "probe": draw(st.integers(0, 2**31))} if kind == PING else meta
+    return _message(kind, 0, [], meta, sender=insider)
+
+
+@st.composite
+def _unread(draw: st.DrawFn, insider: str) -> Input:
+    nbytes = draw(st.sampled_from(BIG_BYTES))
+    chunk_bytes = draw(st.sampled_from([None, 1 << 20]))
+    tensors = [np.zeros(nbytes // 4, np.float32)]
+    kind = draw(st.sampled_from(UNREAD_KINDS))
+    return _message(kind, 0, tensors, {}, sender=insider, chunk_bytes=chunk_bytes)
+
+
+@st.composite
+def _future_choco(draw: st.DrawFn, insider: str) -> Input:
+    encoded = Int8().encode(np.ones(SIZE, np.float32))
+    meta = {**encoded.meta, "codec": "int8", "gamma": 0.5}
+    round = draw(st.integers(1, MAX_PENDING + 8) | st.sampled_from([2**31, 2**62]))
+    return _message("choco", round, list(encoded.frames), meta, sender=insider)
+
+
+@st.composite
+def _lying_manifests(draw: st.DrawFn, insider: str) -> Input:
+    size = SIZE + draw(st.sampled_from([0, 2, -2, SIZE]))
+    edge = st.sampled_from([0, 1, 2**31, MAX_COUNTER])
+    counters = {"steps": draw(edge), "round": draw(edge), "rounds_per_s": draw(edge | st.floats(0, 1e6))}
+    manifest = StateManifest(
+        transfer=draw(ints), version=STATE_VERSION, layout=[["params", "float32", [size]]],
+        counters=counters, total=-(-size * 4 // 8) * 8,
+    )  # fmt: skip
+    return _message(MANIFEST, 0, [], manifest.encode(), sender=insider)
+
+
+@st.composite
+def _forged_agreements(draw: st.DrawFn, insider: str) -> Input:
+    """A D-PSGD message (finite or not, of a round near the target's) whose agreements claim
+    values up to far beyond every cap, for this epoch or the next."""
+    claim = st.integers(0, 2 * MAX_H) | st.sampled_from([MAX_H, 10 * MAX_H, 2**31]) | values
+    forged = {key: [draw(st.integers(0, 1)), draw(claim), draw(claim)] for key in _AGREEMENT_KEYS}
+    vector = np.full(SIZE, draw(st.sampled_from([0.5, np.nan])), np.float32)
+    return _message("params", draw(st.integers(0, 16)), [vector], {**forged, "exchange": 0}, sender=insider)
+
+
+_AGREEMENT_KEYS = (PeriodAgreement.meta_key, CodecAgreement.meta_key)
+
 
 class FuzzTarget:
     """A live node (``target``) in a mesh with ``friend``, reading as the daemon reads; the
@@ -249,13 +353,15 @@ class FuzzTarget:
         self.target.transport.stats.rejections = Rejections(shun_after=2**62)  # keep reading the fuzzer
         self.errors: list[str] = []
         self.taken = 0
+        self.agreements: list[EpochAgreement] = [PeriodAgreement(), CodecAgreement()]
+        self.choco: CHOCO | None = None  # the reader's, once it runs
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read, name="fuzz-reader", daemon=True)
 
     def start(self) -> None:
         self.target.start()
         self.friend.start()
-        self.target.wait_ready(20, expect=2)
+        self.target.wait_ready(HANG_S, expect=2)
         self._reader.start()
 
     def close(self) -> None:
@@ -263,6 +369,11 @@ class FuzzTarget:
         self._reader.join(10)
         self.friend.close()
         self.target.close()
+
+    @property
+    def members(self) -> dict[str, str]:
+        """The mesh's members: id -> address."""
+        return {peer.node_id: peer.address for peer in (self.target, self.friend)}
 
     @property
     def deaths(self) -> int:
@@ -273,12 +384,17 @@ class FuzzTarget:
         peer = self.target
         ring, exponential = Topology.parse("ring"), Topology.parse("one-peer-exponential")
         readers: list[tuple[frozenset[str], Callable[[Any], object]]] = []
-        dpsgd = DPSGD(peer, np.zeros(SIZE, np.float32), topology=ring)
+        agreeing = AgreeingPeer(peer, self.agreements)
+        dpsgd = DPSGD(agreeing, np.zeros(SIZE, np.float32), topology=ring)
         readers.append((frozenset(dpsgd.kinds), lambda m: (dpsgd._file(m, 0, {}), dpsgd._early.clear())))
-        sgp = SGP(peer, np.zeros(SIZE, np.float32), topology=exponential)
-        readers.append((frozenset(sgp.kinds), lambda m: (sgp._mix_in(m, 0), sgp._later.clear())))
-        choco = CHOCO(peer, np.zeros(SIZE, np.float32), topology=ring, codec=Int8())
+        sgp = SGP(agreeing, np.zeros(SIZE, np.float32), topology=exponential)
+        # (shares of rounds ahead are held up to two models, then mixed: bounded either way)
+        shares = RunningMix(sgp.params, sgp.vector_layout, 1.0, sgp._scratch, sgp.lock, sgp._coverage)
+        readers.append((frozenset(sgp.kinds), lambda m: sgp._mix_in(m, 0, shares)))
+        choco = self.choco = CHOCO(agreeing, np.zeros(SIZE, np.float32), topology=ring, codec=Int8())
         readers.append((frozenset(choco.kinds), choco._take))
+        for averager in (dpsgd, sgp, choco):
+            averager.on_accepted = agreeing.accepted
         readers.append((frozenset({MANIFEST, CHUNK}), _take_state))
         server = StateServer(peer, Snapshot({"params": np.zeros(SIZE, np.float32)}, {"round": 1}))
         kinds = frozenset().union(*(k for k, _ in readers))
@@ -298,7 +414,10 @@ def _take_state(message: Any) -> None:
     fuzzer's layout, check the whole)."""
     with contextlib.suppress(ValueError):
         if message.kind == MANIFEST:
-            Manifest.parse(StateManifest.decode(message.meta), 1 << 16)
+            manifest = Manifest.parse(StateManifest.decode(message.meta), 1 << 16)
+            params = np.zeros(SIZE, np.float32)
+            with contextlib.suppress(StateTransferError):  # (what a joiner checks before using it)
+                check_fit(((e.name, e.dtype, e.shape) for e in manifest.entries), params, params, 1)
             return
         layout = StateManifest(
             transfer=0,
@@ -313,12 +432,13 @@ def _take_state(message: Any) -> None:
 
 
 class Fuzzer:
-    """Sends inputs to a target: as ``fuzzer`` or, when the header says so, as ``friend``."""
+    """Sends inputs to a target: as ``fuzzer`` or, when the header says so, as ``insider``."""
 
-    def __init__(self, address: str, beacon_port: int) -> None:
+    def __init__(self, address: str, beacon_port: int, insider: str = "friend") -> None:
         self._context = zmq.Context()
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        for sender in ("fuzzer", "friend"):
+        self._insider = insider
+        for sender in ("fuzzer", insider):
             dealer = self._context.socket(zmq.DEALER)
             dealer.setsockopt(zmq.ROUTING_ID, f"{sender}/fuzz".encode())
             dealer.setsockopt(zmq.SNDHWM, 100_000)
@@ -333,8 +453,13 @@ class Fuzzer:
             self._udp.sendto(sent.beacon, ("127.0.0.1", self._beacon_port))
             self.sent += 1
         for frames in sent.messages:
-            self._dealers[_claimed(frames)].send_multipart(frames)
+            self._dealers[self._claimed(frames)].send_multipart(frames)
             self.sent += 1
+
+    def _claimed(self, frames: list[bytes]) -> str:
+        """The dealer to send a message from: the insider's when its header says it is from it."""
+        header = _header(frames[0]) if frames else None
+        return self._insider if header is not None and header.get("sender") == self._insider else "fuzzer"
 
     def close(self) -> None:
         self._udp.close()
@@ -348,12 +473,6 @@ def _header(frame: bytes) -> dict[Any, Any] | None:
     except Exception:  # garbage
         return None
     return header if isinstance(header, dict) else None
-
-
-def _claimed(frames: list[bytes]) -> str:
-    """The dealer to send a message from: the friend's when its header says it is from it."""
-    header = _header(frames[0]) if frames else None
-    return "friend" if header is not None and header.get("sender") == "friend" else "fuzzer"
 
 
 def settle(target: FuzzTarget, timeout: float = 30.0) -> bool:
@@ -370,9 +489,33 @@ def settle(target: FuzzTarget, timeout: float = 30.0) -> bool:
     return wait_until(still, timeout, interval=0.5)
 
 
-def fuzz(fuzzer: Fuzzer, examples: int) -> None:
-    """Send ``examples`` inputs drawn from ``wire_inputs`` (one hypothesis run, no shrinking:
-    the target's deaths, not an exception here, say whether it failed)."""
+def out_of_bounds(target: FuzzTarget) -> list[str]:
+    """What an insider's moves pushed past a bound the target keeps: an agreement's value
+    outside [floor, cap], CHOCO updates pending beyond ``MAX_PENDING`` (+1) per neighbour,
+    two live members at one address (a phantom beside a real member). (The fuzzer may speak
+    as the friend, so the friend's own record may move: its old address is then free.)"""
+    found = [
+        f"{type(a).__name__} took {value} (bounds {a.floor}..{a.cap})"
+        for a in target.agreements
+        for _, value in a.history
+        if not a.floor <= value <= a.cap
+    ]
+    pending = max((len(r.pending) for r in target.choco._replicas.values()), default=0) if target.choco else 0
+    if pending > MAX_PENDING + 1:
+        found.append(f"CHOCO holds {pending} pending updates of one neighbour")
+    holders: dict[str, list[str]] = {}
+    for member in target.target.membership.view:
+        if member.status.live:
+            holders.setdefault(member.address, []).append(member.id)
+    shared = {address: ids for address, ids in holders.items() if len(ids) > 1}
+    if shared:
+        found.append(f"live members sharing an address: {shared}")
+    return found
+
+
+def fuzz(fuzzer: Fuzzer, examples: int, inputs: st.SearchStrategy[Input] = wire_inputs) -> None:
+    """Send ``examples`` inputs drawn from ``inputs`` (one hypothesis run, no shrinking: the
+    target's deaths, not an exception here, say whether it failed)."""
 
     @settings(
         max_examples=examples,
@@ -381,7 +524,7 @@ def fuzz(fuzzer: Fuzzer, examples: int) -> None:
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(wire_inputs)
+    @given(inputs)
     def send(sent: Input) -> None:
         fuzzer.send(sent)
 

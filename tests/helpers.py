@@ -19,10 +19,15 @@ import zmq
 
 from gossip import Algorithm, Codec, PeerNetwork
 from gossip.algorithms import averager as averager_module
-from gossip.algorithms.averager import RoundStats
+from gossip.algorithms.averager import Averager, RoundStats
 from p2p import Peer, Transport
 from p2p.address import free_ports
 from topologies import Topology
+
+HANG_S = 600.0
+"""How long a test waits for what must happen before it calls the product hung. Only a hang
+reaches it: it bounds no speed (a loaded machine may take minutes where a quiet one takes a
+second); speed targets are measured by bench/ scripts."""
 
 
 def addresses(count: int) -> list[str]:
@@ -42,7 +47,7 @@ def started_peers(ids: list[str], expect: int | None = None) -> Iterator[list[Pe
         for peer in peers:
             peer.start()
         for peer in peers:
-            peer.wait_ready(20, expect=expect or len(ids))
+            peer.wait_ready(HANG_S, expect=expect or len(ids))
         yield peers
     finally:
         for peer in peers:
@@ -80,16 +85,8 @@ def average_in_threads(
     names = [algorithm] * len(peers) if isinstance(algorithm, str) else algorithm
     specs = [waiting(Algorithm.parse(name)) for name in names]
 
-    def run(i: int) -> None:
+    def run(i: int, averager: Averager) -> None:
         try:
-            averager = specs[i].build(
-                peers[i],
-                vectors[i],
-                topology=Topology.parse(topology),
-                round_timeout=timeout,
-                lock=None,
-                codec=Codec.parse(compression),
-            )
             for _ in range(rounds):
                 started = time.monotonic()
                 round_stats = averager.after_step()
@@ -103,7 +100,20 @@ def average_in_threads(
             errors.append(exc)
 
     with full_waits():
-        run_together(partial(run, i) for i in range(len(peers)))
+        # every node is built before any begins, so they start in step (a node built late would
+        # find shares of rounds it has not reached)
+        averagers = [
+            spec.build(
+                peer,
+                vector,
+                topology=Topology.parse(topology),
+                round_timeout=timeout,
+                lock=None,
+                codec=Codec.parse(compression),
+            )
+            for spec, peer, vector in zip(specs, peers, vectors, strict=True)
+        ]
+        run_together(partial(run, i, averager) for i, averager in enumerate(averagers))
     if errors:
         raise errors[0]
     return durations
@@ -187,7 +197,8 @@ def in_background(step: Callable[[], object]) -> Iterator[None]:
         thread.join()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+def wait_until(condition: Callable[[], bool], timeout: float = HANG_S, interval: float = 0.02) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` s pass (its last answer)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

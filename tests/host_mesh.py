@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.auth
+from helpers import HANG_S
 from wire_fuzz import decodes, hostile_messages
 
 from gossipmesh.daemon.checkpoint import load_newest
@@ -78,15 +79,16 @@ class HostMesh:
         node.start(main, argv, enter=lambda: netns.enter(host))
         self.nodes[i] = node
 
-    def start_all(self, timeout: float = 60) -> float:
+    def start_all(self) -> float:
         """Start every node and wait until each has written its first checkpoint (it trains);
-        returns that time on the mesh clock."""
+        returns that time on the mesh clock. Fails if a node exits first."""
         for i in range(len(self.hosts)):
             self.start(i, expect=len(self.hosts))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + HANG_S
         while not all(load_newest(self.state(i)) for i in range(len(self.hosts))):
-            assert time.monotonic() < deadline, (
-                f"the mesh did not start within {timeout} s; see {self.run_dir}"
+            exited = [node.id for node in self.nodes.values() if node.poll() is not None]
+            assert not exited and time.monotonic() < deadline, (
+                f"the mesh did not start ({exited or 'hung'}); see {self.run_dir}"
             )
             time.sleep(0.1)
         return self.clock()
@@ -116,25 +118,25 @@ class HostMesh:
                 os._exit(code)
         return pid
 
-    def reap(self, pid: int, timeout: float) -> None:
-        """Wait for the forked ``pid`` (a fuzzer) to exit 0; kill it and fail after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
+    def reap(self, pid: int) -> None:
+        """Wait for the forked ``pid`` (a fuzzer) to exit 0; kill it and fail if it hangs."""
+        deadline = time.monotonic() + HANG_S
         while (exited := os.waitpid(pid, os.WNOHANG))[0] == 0:
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                raise AssertionError(f"process {pid} still running after {timeout} s; see {self.run_dir}")
+                raise AssertionError(f"process {pid} still running after {HANG_S} s; see {self.run_dir}")
             time.sleep(0.1)
         assert os.waitstatus_to_exitcode(exited[1]) == 0, f"process {pid} failed; see its stderr"
 
-    def wait(self, timeout: float) -> None:
-        """Until every node has exited; kills the rest after ``timeout`` s and fails."""
-        deadline = time.monotonic() + timeout
+    def wait(self) -> None:
+        """Until every node has exited; kills the rest and fails if they hang."""
+        deadline = time.monotonic() + HANG_S
         while any(n.poll() is None for n in self.nodes.values()):
             if time.monotonic() > deadline:
                 for node in self.nodes.values():
                     node.send_signal(signal.SIGKILL)
-                raise AssertionError(f"nodes still running after {timeout} s; logs in {self.run_dir}")
+                raise AssertionError(f"nodes still running after {HANG_S} s; logs in {self.run_dir}")
             time.sleep(0.1)
 
     def report(self, i: int) -> dict[str, Any]:

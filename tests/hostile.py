@@ -4,7 +4,7 @@ key of its choosing, forged beacons, forged member records, and a look at a proc
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +50,36 @@ def connect(sender: Transport, address: str, receiver: Transport, key: str | Non
         if wait_until(lambda: receiver.stats.messages_received > heard, 0.1):
             return
     raise AssertionError(f"{sender.node_id} could not reach {address}")
+
+
+# a ZMTP 3.0 greeting from a CURVE client: what opens a handshake, which then needs a HELLO
+CURVE_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + bytes(32)
+
+
+@contextmanager
+def half_open(address: str, sources: Iterable[str], greeting: bytes = CURVE_GREETING) -> Iterator[int]:
+    """TCP connections to ``address``, one from each of ``sources`` (local addresses, e.g.
+    127.0.0.2), that send ``greeting`` and nothing more; yields how many opened (this process
+    may run out of descriptors first), closes them at the end."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    connections = []
+    for source in sources:
+        try:
+            connection = socket.socket()
+        except OSError:  # (this process's descriptors)
+            break
+        connections.append(connection)
+        try:
+            connection.bind((source, 0))
+            connection.connect((host, int(port)))
+            connection.sendall(greeting)
+        except OSError:  # (the node shut it at once: it counts all the same)
+            pass
+    try:
+        yield len(connections)
+    finally:
+        for connection in connections:
+            connection.close()
 
 
 def forge_beacon(port: int, *, node_id: str, address: str, key: str = "", mesh: str = "gossipmesh") -> None:

@@ -49,7 +49,9 @@ def test_a_push_sum_node_that_hears_nothing_for_a_thousand_rounds_keeps_its_mode
         sgp.after_step()
     np.testing.assert_array_equal(model, start)
     assert 0.0 < sgp.weight < 1e-300
-    silent.send("node-0", "push", sgp.round, [np.full(41, 5.0, np.float32), np.array([0.5])])
+    silent.send(
+        "node-0", "push", sgp.round, [np.full(41, 5.0, np.float32)], {"starts": [0], "weights": [0.5]}
+    )
     sgp.after_step()
     np.testing.assert_allclose(model, 5.0, rtol=1e-6)  # its own weight is nothing beside 0.5
 
@@ -85,7 +87,7 @@ def test_asynchronous_pairwise_averaging_keeps_the_mean_and_reaches_it() -> None
         for p, v in zip(peers, vectors, strict=True)
     ]
     try:
-        assert wait_until(lambda: consensus_distance(vectors) < 1e-9, 20.0)
+        assert wait_until(lambda: consensus_distance(vectors) < 1e-9)
     finally:
         for averager in averagers:
             averager.close()
@@ -128,7 +130,7 @@ def test_asynchronous_exchanges_keep_every_local_step_taken_while_they_wait() ->
             trainer.start()
         for trainer in trainers:
             trainer.join()
-        assert wait_until(lambda: consensus_distance(vectors) < 1e-12, 20.0)
+        assert wait_until(lambda: consensus_distance(vectors) < 1e-12)
     finally:
         for averager in averagers:
             averager.close()
@@ -157,7 +159,7 @@ def test_dpsgd_with_backup_neighbours_does_not_wait_for_the_last_one() -> None:
     b.send("node-0", "params", 0, [np.full(2, 3.0)])
     started = time.monotonic()
     stats = averager.average()
-    assert time.monotonic() - started < 1.0  # node-2 is silent, and not waited for
+    assert time.monotonic() - started < 5.0  # node-2 is silent, and its round timeout not waited out
     assert (stats.expected, stats.arrived) == (2, 1)
     np.testing.assert_allclose(own, 2.0)  # 1/3 and 1/3, renormalised over what came
 

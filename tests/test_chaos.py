@@ -23,6 +23,8 @@ ROUND_TIMEOUT_S = 2.0
 
 
 def run(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    """``gossipmesh mesh ARGV`` at 20 ms a step (50 steps a second at most: 500 steps last 10 s
+    or more, so a fault scheduled at a given second finds the nodes training on any machine)."""
     assert main(["mesh", "--run-dir", str(tmp_path), "--compute-ms", "20", *argv]) == 0, (
         tmp_path / "report.json"
     ).read_text()[-2000:]
@@ -53,7 +55,7 @@ def accuracy_at(timeline: list[dict[str, Any]], t: float) -> float:
 
 
 def test_two_nodes_killed_mid_training(tmp_path: Path) -> None:
-    report = run(tmp_path, "--nodes", "8", "--duration", "14", "--kill", "2@5", "--kill", "6@5")
+    report = run(tmp_path, "--nodes", "8", "--steps", "500", "--kill", "2@5", "--kill", "6@5")
     nodes = nodes_by_id(report)
     survivors = [n for n in nodes if n not in ("node-2", "node-6")]
     for victim in ("node-2", "node-6"):
@@ -70,13 +72,13 @@ def test_two_nodes_killed_mid_training(tmp_path: Path) -> None:
 
 
 def test_a_node_joining_mid_run_starts_from_the_mesh_state(tmp_path: Path) -> None:
-    report = run(tmp_path, "--nodes", "5", "--duration", "16", "--join", "1@6")
+    report = run(tmp_path, "--nodes", "5", "--steps", "600", "--join", "1@6")
     nodes = nodes_by_id(report)
     joiner = nodes["node-5"]
     assert joiner["status"] == "finished" and joiner["t_joined"] is not None
-    assert 6 <= joiner["t_joined"] < 8
-    first = joiner["timeline"][0]
     others = [nodes[f"node-{i}"]["timeline"] for i in range(5)]
+    assert 6 <= joiner["t_joined"] < min(t[-1]["t"] for t in others)  # while the mesh trained
+    first = joiner["timeline"][0]
     # it trains from the mesh's model, not from scratch (a fresh model scores ~0.1)
     assert first["accuracy"] >= min(accuracy_at(t, first["t"]) for t in others) - 0.05
     within = joiner["t_joined"] + 10
@@ -87,7 +89,7 @@ def test_a_node_joining_mid_run_starts_from_the_mesh_state(tmp_path: Path) -> No
 
 
 def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_path: Path) -> None:
-    report = run(tmp_path, "--nodes", "6", "--duration", "14", "--pause", "3@4:2.0", "--leave", "5@9")
+    report = run(tmp_path, "--nodes", "6", "--steps", "500", "--pause", "3@4:2.0", "--leave", "5@9")
     nodes = nodes_by_id(report)
     assert events(report, "suspected", "node-3")  # a 2 s pause is noticed...
     assert events(report, "alive", "node-3")  # ...refuted when it resumes...
@@ -96,7 +98,8 @@ def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_p
     # from when the launcher sent the leave (a launcher starved of CPU can send it seconds late,
     # after the others finished: then the test fails plainly on that, not on the detection)
     (sent,) = [c["t"] for c in report["chaos_events"] if c["action"] == "leave"]
-    assert sent < 12, report["chaos_events"]
+    ended = min(nodes[f"node-{i}"]["timeline"][-1]["t"] for i in range(5))
+    assert sent < ended - 1.0, (report["chaos_events"], ended)
     left = {e["observer"]: e["t"] - sent for e in events(report, "left", "node-5")}
     assert set(left) == {f"node-{i}" for i in range(5)}
     assert max(left.values()) < 1.0  # within one probe interval

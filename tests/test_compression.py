@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +18,9 @@ from gossip.algorithms.choco import StepSize
 from gossip.compression import INT8_BLOCK, SEGMENT
 from gossip.optim.outer import OuterNesterov
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
+from node import main
 from topologies import SpecError, Topology
 
-NODE_PY = str(Path(__file__).resolve().parents[1] / "node.py")
 N = 10_000
 
 
@@ -371,16 +369,11 @@ DPSGD_BYTES = 600 * 2 * 4 * 9610  # 600 rounds, a float32 model to each of 2 rin
     ],
 )
 def test_compressed_and_local_steps_meshes_reach_the_target(
-    tmp_path: Path, flags: list[str], fewer_bytes: float
+    tmp_path: Path, flags: list[str], fewer_bytes: float, no_other_threads: None
 ) -> None:
     report_path = tmp_path / "report.json"
-    result = subprocess.run(
-        [sys.executable, NODE_PY, "mesh", "--report", str(report_path), "--insecure", *flags],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    argv = ["mesh", "--report", str(report_path), "--run-dir", str(tmp_path), "--plot", "none", "--insecure"]
+    assert main([*argv, *flags]) == 0
     for node in json.loads(report_path.read_text())["nodes"]:
         assert node["status"] == "finished" and node["steps"] == 600
         assert node["final"]["accuracy"] >= 0.93, node["final"]

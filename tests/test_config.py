@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import HANG_S
 
 from gossip import Algorithm, Codec, RobustRule
 from gossipmesh.cli import COMMANDS, build_parser, parse_config
@@ -277,6 +278,10 @@ INVALID = [
     (["mesh", "--mix-momentum", "--local-steps", "10"], "not with an outer step (--local-steps)"),
     (["node", "--mix-momentum", "--local-ranks", "2"], "nor with --local-ranks (each rank gossips a slice"),
     (["simulate", "--mix-momentum", "--momentum", "0"], "--mix-momentum: there is no --momentum to mix (0)"),
+    (["mesh", "--shard"], "--shard: shards the model over a machine's local ranks: give --local-ranks N"),
+    (["node", "--shard"], "--shard: shards the model over a machine's local ranks: give --local-ranks N"),
+    (["mesh", "--shard", "--local-ranks", "2", "--dtype", "mixed"], "--shard: FSDP shards a model of one"),
+    (["mesh", "--shard", "--local-ranks", "2", "--dtype", "bfloat16"], None),  # valid
     (["mesh", "--mix-momentum", "--algorithm", "adpsgd"], None),  # valid
     (["topology"], "NAME: give a topology NAME, or --compare"),
 ]
@@ -324,7 +329,7 @@ def test_the_command_exits_with_status_2_and_no_listener() -> None:
         with socket.socket() as sock:
             listened |= sock.connect_ex(("127.0.0.1", port)) == 0
         time.sleep(0.01)
-    _, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=HANG_S)
     assert process.returncode == 2 and not listened
     assert err.strip() == (
         "gossipmesh: error: --compression int8 needs --algorithm choco: dpsgd sends whole models, "

@@ -138,8 +138,7 @@ def test_background_mixing_reaches_a_staged_model_and_is_never_lost() -> None:
         )
         for m, p in zip(models, peers, strict=True)
     ]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and min(o.averager.exchanges for o in optimizers) < 20:
+    while min(o.averager.exchanges for o in optimizers) < 20:
         for optimizer in optimizers:
             optimizer.step()
         time.sleep(0.005)
@@ -175,5 +174,5 @@ def test_the_gpu_check_passes_its_dry_run_through_the_staged_path_on_the_cpu() -
     verdicts = [
         line for line in done.stdout.splitlines() if line.endswith(("ok", "ok |", "FAILED", "FAILED |"))
     ]
-    # mixing x2, state transfer, 3 meshes, machines of local ranks, overlapped upload x2
-    assert len(verdicts) == 2 + 1 + 3 + 1 + 2 and not any("FAILED" in line for line in verdicts), done.stdout
+    # mixing x2, state transfer, 3 meshes, machines of local ranks (whole and sharded), overlapped upload x2
+    assert len(verdicts) == 2 + 1 + 3 + 2 + 2 and not any("FAILED" in line for line in verdicts), done.stdout

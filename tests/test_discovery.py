@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from helpers import wait_until
+from helpers import HANG_S, wait_until
 from hostile import forge_beacon, free_udp_port
 
 from gossipmesh.mesh import netns
@@ -44,9 +44,9 @@ def test_a_node_that_hears_a_beacon_as_it_starts_announces_its_real_address() ->
         b.start()
         forge_beacon(port, node_id="b", address=b.address)  # b's beacon, in a's socket before a starts
         a.start()
-        assert wait_until(lambda: b.membership.contact("a") is not None, 20)
+        assert wait_until(lambda: b.membership.contact("a") is not None)
         assert b.membership.contact("a") == (a.address, "")
-        assert wait_until(lambda: a.members() == b.members() == {"a", "b"}, 20)
+        assert wait_until(lambda: a.members() == b.members() == {"a", "b"})
         assert b.stats.rejected == {}
     finally:
         a.close()
@@ -80,7 +80,7 @@ def run_hosts(hosts: list[netns.Host], tmp_path: Path, *flags: str) -> list[dict
         )
     errors = []
     for process in processes:
-        _, err = process.communicate(timeout=180)
+        _, err = process.communicate(timeout=HANG_S)
         errors.append(err)
     assert all(p.returncode == 0 for p in processes), "\n---\n".join(e[-1500:] for e in errors)
     return [json.loads((tmp_path / f"host-{i}.json").read_text()) for i in range(len(hosts))]

@@ -17,7 +17,7 @@ from p2p.address import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-STEPS = "20"  # instead of the printed --steps: the commands must run, not converge
+STEPS = "3"  # instead of the printed --steps: the commands must run (gossip included), not converge
 TRAINING = ("node", "mesh")  # the gossipmesh commands that take --steps (and every example)
 
 

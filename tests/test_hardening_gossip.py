@@ -25,6 +25,7 @@ from gossip.messages import CHOCO_FULL as FULL
 from gossip.messages import CHOCO_FULL_REQUEST as FULL_REQUEST
 from gossip.messages import CHOCO_UPDATE as KIND
 from gossip.messages import PARAMS
+from gossip.messages import STATE_CHUNK as CHUNK
 from gossip.messages import STATE_REQUEST as REQUEST
 from gossip.network import Envelope, PeerWrapper
 from gossip.optim.optimizer import JOIN_LEAD_S, MAX_ROUNDS_PER_S
@@ -318,6 +319,16 @@ class _AnswersFirst(PeerWrapper):
         return super().recv(timeout, kinds)
 
 
+def _joiner(peer: MemoryPeer) -> tuple[GossipOptimizer, Snapshot]:
+    """The daemon's optimizer on ``peer``, and a state that fits it (at round 5, 10 rounds a
+    second) for its sources to serve."""
+    config = NodeConfig(insecure=True, startup_timeout=20)
+    task = config.task.make()
+    joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), peer)
+    state = Snapshot({"params": joiner.flat.array.copy()}, {"steps": 7, "round": 5, "rounds_per_s": 10})
+    return joiner, state
+
+
 def _join_with_a_liar(honest_sources: int, lie: dict[str, float]) -> int:
     """The first round a joiner takes from "liar", which answers first with ``lie`` in its
     counters, and ``honest_sources`` (at round 5 and 10 rounds a second) answering after it."""
@@ -325,10 +336,7 @@ def _join_with_a_liar(honest_sources: int, lie: dict[str, float]) -> int:
     liar = _AnswersFirst(network.join("liar"))
     honest = [network.join(f"honest-{i}") for i in range(honest_sources)]
     late = network.join("late")
-    config = NodeConfig(insecure=True, startup_timeout=20)
-    task = config.task.make()
-    joiner = config.gossip_optimizer(config.local_optimizer(task.model(0)), late)
-    state = Snapshot({"params": joiner.flat.array.copy()}, {"steps": 7, "round": 5, "rounds_per_s": 10})
+    joiner, state = _joiner(late)
     if not honest:
         liar.others_answered.set()
 
@@ -352,3 +360,49 @@ def test_a_joiner_starts_at_the_round_its_sources_agree_on_not_at_a_liars() -> N
     lead = math.ceil(10 * JOIN_LEAD_S) + 2
     assert _join_with_a_liar(2, {"round": 2**53, "rounds_per_s": 2**53}) == 5 + lead
     assert _join_with_a_liar(0, {"rounds_per_s": 2**53}) == 5 + math.ceil(MAX_ROUNDS_PER_S * JOIN_LEAD_S) + 2
+
+
+class _Sends(PeerWrapper):
+    """A network that sets ``sent`` once it has sent a message of ``kind``."""
+
+    def __init__(self, peer: MemoryPeer, kind: str) -> None:
+        super().__init__(peer)
+        self.kind, self.sent = kind, threading.Event()
+
+    def send(self, to: str, kind: str, *args: Any, **kwargs: Any) -> None:
+        super().send(to, kind, *args, **kwargs)
+        if kind == self.kind:
+            self.sent.set()
+
+
+def test_a_fast_liar_does_not_set_a_joiners_round_before_the_others_answer() -> None:
+    """Issue 29, item 7: "liar" sends its whole state, claiming round 10^6, before two honest
+    sources (round 5) answer at all. The joiner waits for the counters of most sources: it
+    starts at the honest round, and the report names the liar."""
+    network = MemoryNetwork()
+    liar = _Sends(network.join("liar"), CHUNK)
+    honest = [network.join(f"honest-{i}") for i in range(2)]
+    late = network.join("late")
+    joiner, state = _joiner(late)
+    lying = StateServer(liar, Snapshot(state.tensors, {**state.counters, "round": 10**6}))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(in_background(lying.serve))
+        for peer in honest:
+            server = StateServer(peer, state)
+            stack.enter_context(in_background(lambda s=server: liar.sent.wait(0.1) and s.serve(0.1)))
+        stats = join_running_mesh(late, joiner, 20, lambda: False)  # type: ignore[arg-type]
+    assert joiner.round == 5 + math.ceil(10 * JOIN_LEAD_S) + 2
+    assert stats is not None and stats.outvoted.keys() == {"liar"}
+    assert "round 1e+06" in stats.outvoted["liar"]
+
+
+def test_a_lone_source_among_silent_ones_does_not_decide_the_counters() -> None:
+    """Of two sources one answers and one stays silent: the answer alone is not taken."""
+    network = MemoryNetwork()
+    source, _, newcomer = network.join("source"), network.join("silent"), network.join("newcomer")
+    state = Snapshot({"params": np.zeros(4, np.float32)}, {"round": 10**6})
+    with (
+        in_background(StateServer(source, state).serve),
+        pytest.raises(StateTransferError, match=r"stated by 1 of the 2 sources .* fewer than the 2"),
+    ):
+        fetch_state(newcomer, ["source", "silent"], timeout=20, max_bytes=1 << 20, patience_s=0.5)

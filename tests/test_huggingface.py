@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import addresses, run_example
+from helpers import HANG_S, addresses, run_example
 
 from gossip import consensus_distance
 from p2p.security.curve import keygen
@@ -33,7 +33,7 @@ def test_a_hugging_face_trainer_trains_a_gpt2_on_two_nodes(tmp_path: Path, no_ot
         processes.append(fork.Process(target=run_example, args=(EXAMPLE, argv, tmp_path / f"{rank}.json")))
         processes[-1].start()
     for process in processes:
-        process.join(timeout=240)
+        process.join(timeout=HANG_S)
         assert process.exitcode == 0
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     for result in results:

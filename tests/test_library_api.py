@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import addresses, run_example, run_together
+from helpers import HANG_S, addresses, run_example, run_together
 
 from gossip import GossipOptimizer, consensus_distance
 from gossip.phases import PHASES
@@ -41,7 +41,7 @@ def test_wrapper_trains_a_user_defined_model_in_a_multiprocess_mesh(
         processes.append(fork.Process(target=run_example, args=(EXAMPLE, argv, tmp_path / f"{rank}.json")))
         processes[-1].start()
     for process in processes:
-        process.join(timeout=120)
+        process.join(timeout=HANG_S)
         assert process.exitcode == 0
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
     assert sorted(r["rank"] for r in results) == [0, 1, 2]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import addresses, started_peers
+from helpers import HANG_S, addresses, started_peers
 
 import gossipmesh
 from gossipmesh import Batches, NodeConfig, Session
@@ -64,11 +64,11 @@ def test_two_start_together_a_third_joins_with_their_state_and_all_leave_cleanly
     threads = [threading.Thread(target=node, args=(i, 400)) for i in range(2)]
     for thread in threads:
         thread.start()
-    assert halfway.wait(120)
+    assert halfway.wait(HANG_S)
     joiner = threading.Thread(target=node, args=(2, 100))
     joiner.start()
     for thread in [*threads, joiner]:
-        thread.join(300)
+        thread.join(HANG_S)
     assert not errors, errors
     c = sessions["c"]
     assert c.transfer is not None and c.transfer.bytes == 2 * 4 * sum(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import addresses, wait_until
+from helpers import HANG_S, addresses, wait_until
 from test_security import curve_for, make_keys
 
 from gossipmesh.config import ConfigError, MeshConfig, NodeConfig, load
@@ -34,9 +34,9 @@ def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp
         for peer in (a, b, c):
             peer.start()
         for peer in (a, b, c):
-            peer.wait_ready(20, expect=3)
+            peer.wait_ready(HANG_S, expect=3)
         assert c.transport.address == "inbound://c"
-        assert wait_until(lambda: all(_record(p, "c") is not None for p in (a, b)), 10)
+        assert wait_until(lambda: all(_record(p, "c") is not None for p in (a, b)))
         assert [_record(p, "c").reachable for p in (a, b)] == [False, False]  # type: ignore[union-attr]
         big = np.arange(CHUNK_BYTES // 4 * 2 + 100, dtype=np.float32)  # three chunks
         a.send("c", "params", 1, [np.ones(10, np.float32)])
@@ -50,8 +50,8 @@ def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp
             assert reply is not None and reply.sender == "c"
         assert c.stats.dropped["peer_unreachable_or_full"] == 0
         c.transport.close()  # a crash: no leave
-        assert wait_until(lambda: _record(a, "c").status == Status.DEAD, 30)  # type: ignore[union-attr]
-        assert wait_until(lambda: _record(b, "c").status == Status.DEAD, 30)  # type: ignore[union-attr]
+        assert wait_until(lambda: _record(a, "c").status == Status.DEAD)  # type: ignore[union-attr]
+        assert wait_until(lambda: _record(b, "c").status == Status.DEAD)  # type: ignore[union-attr]
         assert {m.id: m.status for m in a.membership.view} == {
             "a": Status.ALIVE,
             "b": Status.ALIVE,
@@ -76,10 +76,10 @@ def test_a_trusted_key_claiming_the_id_of_a_member_behind_nat_does_not_get_its_m
         for endpoint in (a, c, insider):
             endpoint.start()
         for peer in (a, c):
-            peer.wait_ready(20, expect=2)
+            peer.wait_ready(HANG_S, expect=2)
         for _ in range(3):  # the insider is heard last, its route the freshest
             insider.send(listen[0], "params", 0, [np.zeros(2, np.float32)], key=_public(a), member=True)
-        assert wait_until(lambda: a.stats.rejected["key_mismatch"] >= 3, 10)  # (c's record has c's key)
+        assert wait_until(lambda: a.stats.rejected["key_mismatch"] >= 3)  # (c's record has c's key)
         a.send("c", "params", 9, [np.ones(2, np.float32)])
         got = c.recv(10, {"params"})
         assert got is not None and (got.sender, got.round) == ("a", 9)

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import HANG_S
 
 from gossip.phases import PHASES
 from gossipmesh import logs
@@ -50,13 +51,14 @@ def samples(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in pairs}
 
 
-def scrape_while_training(port: int, until_steps: int, deadline: float) -> dict[str, float]:
-    while time.monotonic() < deadline:
+def scrape_while_training(mesh: subprocess.Popen[str], port: int, until_steps: int) -> dict[str, float]:
+    """The node's metrics once it has taken ``until_steps`` steps; fails if the mesh ends first."""
+    while mesh.poll() is None:
         status, text = get(f"http://127.0.0.1:{port}/metrics")
         if status == 200 and samples(text).get("gossipmesh_steps_total", 0) >= until_steps:
             return samples(text)
         time.sleep(0.1)
-    raise AssertionError(f"node on :{port} did not reach step {until_steps}")
+    raise AssertionError(f"the mesh ended before node on :{port} reached step {until_steps}")
 
 
 @pytest.mark.mesh
@@ -70,13 +72,12 @@ def test_charlm_mesh_metrics_move_and_the_report_is_plotted(tmp_path: Path) -> N
         text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        early = scrape_while_training(port, 15, deadline)
+        early = scrape_while_training(mesh, port, 15)
         assert get(f"http://127.0.0.1:{port}/readyz")[0] == 200
         assert get(f"http://127.0.0.1:{port + 1}/healthz")[0] == 200
-        late = scrape_while_training(port, 60, deadline)
+        late = scrape_while_training(mesh, port, 60)
     finally:
-        output, _ = mesh.communicate(timeout=120)
+        output, _ = mesh.communicate(timeout=HANG_S)
     assert mesh.returncode == 0, output
     for name in NAMED_METRICS:
         assert any(key.startswith(name) for key in late), name

@@ -4,15 +4,20 @@ transport handing large messages on chunk by chunk for it."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import average_in_threads, started_peers, started_transport
 
+from gossip import SGP
+from gossip.algorithms.sgp import MAX_SEGMENTS, _merged
 from gossip.buffers.pieces import RunningMix
 from gossip.buffers.vector import Layout
+from gossipmesh.sim.memory import MemoryNetwork
 from p2p.wire import CHUNK_BYTES, Message, Piece
+from topologies import Topology
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -151,3 +156,68 @@ def test_a_complete_graph_averages_streamed_values_exactly() -> None:
         average_in_threads(peers, vectors, topology="complete", rounds=1, timeout=30)
     for vector in vectors:
         np.testing.assert_allclose(vector, mean, rtol=0, atol=1e-12)
+
+
+def test_weights_by_segment_mix_each_element_by_its_own_weights() -> None:
+    """Push-sum's weights where shares were cut off: the node's and the sender's differ from
+    segment to segment, and every element is the mean weighted by its own."""
+    own, share = np.zeros(100), np.full(100, 6.0)
+    layout = Layout.of(own)
+    mix = RunningMix(own, layout, [(0, 1.0), (50, 2.0)], np.empty(16), contextlib.nullcontext())
+    for piece in _pieces("a", share, layout, 96):
+        assert mix.add(("a", 0), piece.tensors, piece.piece, [(0, 0.5), (30, 1.0)]) is None
+    np.testing.assert_allclose(own[:30], 6.0 * 0.5 / 1.5)
+    np.testing.assert_allclose(own[30:50], 6.0 * 1.0 / 2.0)
+    np.testing.assert_allclose(own[50:], 6.0 * 1.0 / 3.0)
+    assert mix.weights == [(0, 1.5), (30, 2.0), (50, 3.0)]
+
+
+def test_a_push_sum_share_cut_off_mid_stream_keeps_every_element_exact() -> None:
+    """SGP mixes a share piece by piece; one whose sender died after 40 elements leaves those
+    with more weight than the rest, which the node keeps by segment and pushes on with its
+    share: per element, the mesh's sums of w and w z are what they were."""
+    network = MemoryNetwork()
+    node, other = network.join("b"), network.join("a")
+    own, theirs = np.zeros(100), np.full(100, 4.0)
+    sgp = SGP(node, own, topology=Topology.parse("ring"), overlap=0, round_timeout=0.05)
+    layout = sgp.vector_layout
+    for piece in _pieces("a", theirs, layout, 80)[:4]:  # 40 elements, then "a" was gone
+        node.put(replace(piece, kind="push", meta={"starts": [0], "weights": [0.5]}))
+    sgp.after_step()
+    # b kept half its weight (its other half went to a) and took a's share where it arrived
+    assert sgp.segments == [(0, 1.0), (40, 0.5)]
+    np.testing.assert_allclose(own[:40], 2.0)  # (0.5 * 0 + 0.5 * 4) / 1
+    np.testing.assert_allclose(own[40:], 0.0)
+    sgp.after_step()  # (nothing more comes: a is gone)
+    shares = [other.recv(0, ("push",)) for _ in range(2)]
+    assert [dict(share.meta) for share in shares if share is not None] == [
+        {"starts": [0], "weights": [0.5]},
+        {"starts": [0, 40], "weights": [0.5, 0.25]},  # its weights by segment, halved
+    ]
+    assert sgp.rejected.total() == 0
+
+
+def test_a_push_sum_share_with_lying_weights_is_refused_whole() -> None:
+    network = MemoryNetwork()
+    node, _ = network.join("b"), network.join("a")
+    own = np.zeros(10)
+    sgp = SGP(node, own, topology=Topology.parse("ring"), overlap=0, round_timeout=0.05)
+    for meta in (
+        {"starts": [0], "weights": [1e9]},
+        {"starts": [5], "weights": [0.5]},
+        {"starts": [0, 0], "weights": [0.5, 0.5]},
+        {"starts": [0], "weights": [float("nan")]},
+        {"weights": [0.5]},
+    ):
+        node.put(Message("push", "a", 0, (np.full(10, 9.0),), meta=meta))
+    sgp.after_step()
+    np.testing.assert_array_equal(own, 0.0)
+    assert sgp.rejected["bad_push_weight"] == 5
+
+
+def test_push_sum_segments_of_nearly_equal_weight_are_joined_keeping_the_mass() -> None:
+    segments = [(0, 1.0), (10, 1.0 + 1e-9), (20, 2.0)]
+    assert _merged(segments, 30) == [(0, pytest.approx(1.0 + 0.5e-9, rel=1e-15)), (20, 2.0)]
+    many = [(i, 1.0 + i) for i in range(MAX_SEGMENTS + 1)]  # too many for a share to carry
+    ((start, weight),) = _merged(many, MAX_SEGMENTS + 1)
+    assert start == 0 and weight == pytest.approx(np.mean([w for _, w in many]))

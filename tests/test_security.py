@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from helpers import addresses, average_in_threads, raw_dealer, started_transport, wait_until
+from helpers import HANG_S, addresses, average_in_threads, raw_dealer, started_transport, wait_until
 from hostile import connect
 
 from p2p import Peer, Transport, TransportError
@@ -80,7 +80,7 @@ def test_missing_or_ambiguous_keys_say_what_to_run(tmp_path: Path) -> None:
 def test_trusted_peers_form_a_mesh_through_a_bootstrap_address_alone(tmp_path: Path) -> None:
     trusted = make_keys(tmp_path, "a", "b", "c")
     with curve_peers(tmp_path, ["a", "b", "c"], trusted) as peers:
-        assert wait_until(lambda: all(p.members() == {"a", "b", "c"} for p in peers), 20)
+        assert wait_until(lambda: all(p.members() == {"a", "b", "c"} for p in peers))
         vector = np.arange(1000, dtype=np.float32)
         peers[2].send("a", "params", 3, [vector])
         message = peers[0].recv(5.0, {"params"})
@@ -103,7 +103,7 @@ def test_a_node_joins_through_a_peer_whose_handshakes_are_slow(
     monkeypatch.setattr(_TrustedProvider, "callback", slowly)
     trusted = make_keys(tmp_path, "a", "b")
     with curve_peers(tmp_path, ["a", "b"], trusted) as peers:
-        joined = wait_until(lambda: all(p.members() == {"a", "b"} for p in peers), 20)
+        joined = wait_until(lambda: all(p.members() == {"a", "b"} for p in peers))
         assert joined, [(p.members(), dict(p.stats.dropped)) for p in peers]
 
 
@@ -123,7 +123,7 @@ def test_a_trusted_key_check_that_raises_refuses_one_handshake_and_the_mesh_stil
     monkeypatch.setattr(TrustedKeys, "allows", flaky)
     trusted = make_keys(tmp_path, "a", "b")
     with curve_peers(tmp_path, ["a", "b"], trusted) as peers:
-        assert wait_until(lambda: all(p.members() == {"a", "b"} for p in peers), 30)
+        assert wait_until(lambda: all(p.members() == {"a", "b"} for p in peers))
         authenticators = [p.transport._authenticator for p in peers]
         assert sum(a._provider.errors for a in authenticators if a is not None) == 3
         assert all(p.transport.failure is None for p in peers)
@@ -137,7 +137,7 @@ def test_a_dead_authenticator_fails_the_transport(tmp_path: Path) -> None:
         authenticator = a.transport._authenticator
         assert authenticator is not None
         authenticator._thread.stop()
-        assert a.transport.stopped.wait(30)
+        assert a.transport.stopped.wait(HANG_S)
         assert a.transport.failure is not None and a.transport.failure.startswith("SecurityError")
 
 
@@ -147,12 +147,12 @@ def test_an_untrusted_peer_gets_no_frame_through_until_its_key_is_trusted(tmp_pa
     with curve_peers(tmp_path, ["a", "b"], trusted) as (honest, newcomer):
         authenticator = honest.transport._authenticator
         assert authenticator is not None
-        assert wait_until(lambda: authenticator.refused >= 2, 10)  # it keeps trying to join...
+        assert wait_until(lambda: authenticator.refused >= 2)  # it keeps trying to join...
         assert honest.members() == {"a"} and newcomer.members() == {"b"}
         assert honest.stats.messages_received == 0 and honest.stats.bytes_received == 0
         assert honest.stats.messages_rejected == 0  # ...refused at the handshake, before any frame
         shutil.copy(public, trusted)  # trusted from now on, with no restart
-        assert wait_until(lambda: honest.members() == newcomer.members() == {"a", "b"}, 10)
+        assert wait_until(lambda: honest.members() == newcomer.members() == {"a", "b"})
 
 
 def test_a_refused_key_is_named_on_both_sides(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -171,7 +171,7 @@ def test_a_refused_key_is_named_on_both_sides(tmp_path: Path, caplog: pytest.Log
         a.start()
         b.start()
         with pytest.raises(TransportError) as refused:
-            b.wait_ready(600)
+            b.wait_ready(HANG_S)
     finally:
         a.close()
         b.close()
@@ -204,7 +204,7 @@ def _average_under_attack(tmp_path: Path, *, secure: bool, attack: bool) -> str:
         for peer in peers:
             peer.start()
         for peer in peers:
-            peer.wait_ready(20, expect=2)
+            peer.wait_ready(HANG_S, expect=2)
         intruder.start()
         if not secure:  # (what a transport sends before its connection is up is dropped)
             connect(intruder, peers[0].address, peers[0].transport)
@@ -258,6 +258,6 @@ def test_a_live_transport_shuns_a_garbage_sender_and_counts_everything() -> None
         for _ in range(300):
             raw.send_multipart([b"\x93garbage"])
         raw.send_multipart(encode(kind="params", sender="fuzzer", round=0, seq=1))  # well formed
-        assert wait_until(lambda: receiver.stats.messages_rejected == 301, 10), receiver.stats
+        assert wait_until(lambda: receiver.stats.messages_rejected == 301), receiver.stats
         assert receiver.stats.rejected_by_peer == {"fuzzer": {"header_not_msgpack": 100, "shunned": 201}}
         assert receiver.recv(0.2) is None  # shunned: even its good message is dropped unread

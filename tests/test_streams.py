@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from helpers import addresses, peak_memory, raw_dealer, started_transport, wait_until
+from helpers import HANG_S, addresses, peak_memory, raw_dealer, started_transport, wait_until
 
 from p2p import Transport
 from p2p.transport.outbound import MAX_STREAMS_PER_PEER
@@ -156,9 +156,10 @@ def connected(
     receiver.start()
     sender.start()
     try:
-        deadline = time.monotonic() + 10
-        while receiver.recv(0.05) is None and time.monotonic() < deadline:
-            sender.send(receiver_address, "note", 0)  # until the connection is up
+        deadline = time.monotonic() + HANG_S
+        while receiver.recv(0.05) is None:  # until the connection is up
+            assert time.monotonic() < deadline, "no message from a reached b"
+            sender.send(receiver_address, "note", 0)
         yield sender, receiver
     finally:
         sender.close()
@@ -184,7 +185,7 @@ def receive_and_measure(address: str, nbytes: int, control: Connection) -> None:
     transport.start()
     before = peak_memory()
     control.send("ready")
-    message = transport.recv(60)
+    message = transport.recv(HANG_S)
     after = peak_memory()
     control.send((message is not None and float(message.tensors[0][-1]), after - before))
     transport.close()
@@ -199,9 +200,9 @@ def test_receiving_a_large_delta_takes_less_than_twice_its_size_in_memory(spawn)
     sender = Transport("a", sender_address)
     sender.start()
     try:
-        assert ours.poll(60) and ours.recv() == "ready"
+        assert ours.poll(HANG_S) and ours.recv() == "ready"
         sender.send(receiver_address, "params", 0, [vector])
-        assert ours.poll(60)
+        assert ours.poll(HANG_S)
         last, growth = ours.recv()
         assert last == vector[-1]
         # the assembled delta, plus the chunks ZeroMQ has read ahead while one is copied in
@@ -248,7 +249,7 @@ def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_
             with raw_dealer(routing_id, receiver.address) as dealer:
                 time.sleep(0.05)  # (the raw socket has no handshake wait)
                 dealer.send_multipart(encode(kind="note", sender="x", round=0, session=1, seq=seq))
-                assert wait_until(lambda n=sent: _taken(receiver) >= n, 5)
+                assert wait_until(lambda n=sent: _taken(receiver) >= n)
         assert receiver.stats.messages_received == 2
         assert receiver.stats.rejected == {"replayed": 1, "bad_lane": 2}
 

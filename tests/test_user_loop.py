@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import addresses
+from helpers import HANG_S, addresses
 
 import gossipmesh
 from gossipmesh.tasks import IID, Batches, Precision
@@ -92,7 +92,7 @@ def test_a_users_bfloat16_loop_on_two_nodes_matches_the_local_loop(
         processes.append(fork.Process(target=_node, args=(argv, tmp_path / f"{rank}.json")))
         processes[-1].start()
     for process in processes:
-        process.join(timeout=180)
+        process.join(timeout=HANG_S)
         assert process.exitcode == 0
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     for result in results:

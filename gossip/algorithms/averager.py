@@ -12,13 +12,14 @@ import contextlib
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 import numpy as np
 
+from gossip.buffers.pieces import RunningMix, Segments
 from gossip.buffers.vector import Layout, all_finite, scratch_for
 from gossip.network import Envelope, PeerNetwork
 from topologies import FAMILIES, MixingRow, Topology, mixing_row
@@ -241,6 +242,16 @@ class Averager:
         if problem is None and not all(all_finite(t) for t in message.tensors):
             problem = "non_finite"
         if problem is not None:
+            self.rejected[problem] += 1
+        return problem is None
+
+    def _add(self, mix: RunningMix, key: Hashable, message: Envelope, weight: float | Segments) -> bool:
+        """Mix ``message`` (a value, or a piece of one) into ``mix`` as ``key``'s with
+        ``weight``; counts why not. Whether it was taken."""
+        problem = mix.add(key, message.tensors, message.piece, weight)
+        if problem == "refused_message":  # (a piece of a message refused before)
+            self.dropped[problem] += 1
+        elif problem is not None:
             self.rejected[problem] += 1
         return problem is None
 

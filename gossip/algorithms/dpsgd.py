@@ -233,12 +233,7 @@ class DPSGD(Averager):
             self.dropped["stale"] += 1
         else:  # this round's value, or a straggler's late one (discounted by its age)
             first = sender not in mix.senders
-            problem = mix.add(sender, message.tensors, message.piece, row.receive_from[sender] / (1 + age))
-            if problem == "refused_message":
-                self.dropped[problem] += 1
-            elif problem is not None:
-                self.rejected[problem] += 1
-            else:
+            if self._add(mix, sender, message, row.receive_from[sender] / (1 + age)):
                 self._heard_from(sender)
                 if first:
                     self.staleness.add(age)

@@ -20,24 +20,35 @@ arrive, so communication hides behind computation. An in-neighbour that has fall
 newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
 does not need shares to come in step. Nor is one whose shares arrive consistently later than the
 others' (``gossip.algorithms.pace``): waited for, a slow node never falls behind, and the whole
-mesh would run at its pace. A share from one of the next ``HOLD_ROUNDS`` rounds waits
-for its round (so nodes in step mix exactly as the graph says); any other is mixed in as soon as
-it is read (a node that has fallen far behind takes in the mass the others push to it at once).
-A share older than ``max_staleness`` rounds is dropped and counted. The default bound is
-generous (256 rounds) because a dropped share takes its mass with it: push-sum is exact only
-while mass is conserved, and a node that keeps losing mass drives its weight towards zero.
+mesh would run at its pace. A share older than ``max_staleness`` rounds is dropped and
+counted. The default bound is generous (256 rounds) because a dropped share takes its mass with
+it: push-sum is exact only while mass is conserved, and a node that keeps losing mass drives its
+weight towards zero.
+
+Shares are mixed piece by piece as they arrive (``gossip.buffers.pieces``). A share from one of
+the next ``HOLD_ROUNDS`` rounds waits for its round, so nodes in step mix exactly as the graph
+says (push-sum on the one-peer exponential graph is exact in log2 n rounds), but only while the
+pieces held add up to at most ``HOLD_MODELS`` models: past that, a share is mixed in as it comes,
+as is any share from further ahead (push-sum's sums are conserved in whichever round a share is mixed; a
+node that has fallen far behind takes in the mass the others push to it at once).
+A share cut off mid-message (its sender died) leaves the elements it reached with more weight
+than the rest, so w is kept by segment of the vector, and a share carries its weights by
+segment in the header (:class:`~gossip.messages.PushShare`): every element stays an exact
+push-sum of its own. A share still arriving when a round's mixing ends is mixed on in the next.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, RoundStats
 from gossip.algorithms.pace import Pace
-from gossip.buffers.vector import add_scaled
-from gossip.messages import PUSH
+from gossip.buffers.pieces import Coverage, RunningMix, Segments
+from gossip.messages import PUSH, PayloadError, PushShare
 from gossip.network import Envelope, PeerNetwork
 from topologies import mixing_row
 
@@ -45,7 +56,16 @@ if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
     from typing import Unpack
 
 HOLD_ROUNDS = 8
+# shares held for their round, in models' bytes: on the one-peer exponential graph of 8 nodes in
+# step, one node can be two rounds ahead of another whose share it sends
+HOLD_MODELS = 2
 MIN_WEIGHT = float(np.finfo(np.float64).tiny)
+MAX_WEIGHT = 1e6  # a share's weight beyond this is a sender's lie: all the mesh's mass is n
+MAX_SEGMENTS = 1024  # weight segments a share may carry
+# neighbouring segments whose weights differ by less than this (relative) are joined: push-sum
+# drives every element's weight to the same value, and the boundaries of a share cut off long
+# ago would otherwise stay for ever
+JOIN_TOLERANCE = 1e-6
 
 
 class SGP(Averager):
@@ -65,11 +85,18 @@ class SGP(Averager):
     ) -> None:
         super().__init__(peer, params, max_staleness=max_staleness, **common)
         self.overlap = overlap
-        self.weight = 1.0  # w (z is ``params``)
-        self._arrived: set[tuple[str, int]] = set()  # (sender, round) of the shares mixed in
+        self.segments: list[tuple[int, float]] = [(0, 1.0)]  # w by segment (z is ``params``)
+        self._coverage = Coverage()  # of the shares, keyed (sender, round), over rounds
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
-        self._later: list[Envelope] = []  # shares for rounds this node has not reached
+        self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
+        self._later_bytes = 0
         self.pace = Pace(tolerate=True, catch_up=0)
+        peer.take_pieces(self.kinds)
+
+    @property
+    def weight(self) -> float:
+        """The push-sum weight w (its smallest, where a share cut off left it uneven)."""
+        return min(weight for _, weight in self.segments)
 
     def after_step(self) -> RoundStats:
         self._time_round()
@@ -77,30 +104,32 @@ class SGP(Averager):
         row = self._row(r)
         share = 1.0 / (len(row.send_to) + 1)
         # (at least the smallest float: a node cut off for a thousand rounds still pushes a weight)
-        self.weight = max(self.weight * share, MIN_WEIGHT)
+        self.segments = [(start, max(weight * share, MIN_WEIGHT)) for start, weight in self.segments]
         if row.send_to:
             with self.lock:
                 pushed = self.params.copy()  # it stays untouched while in flight
-            weight = np.array([self.weight])
+            starts, weights = zip(*self.segments, strict=True)
+            meta = PushShare(list(starts), list(weights)).encode()
             for target in row.send_to:
-                self.peer.send(target, PUSH, r, [pushed, weight])
+                self.peer.send(target, PUSH, r, [pushed], meta)
         started = self.peer.now()
         self.pace.sent(r, started)
         expected = self._expected(r - self.overlap)
-        self._take_shares(r, expected)
+        arrived = self._take_shares(r, expected)
         wait_s = self.peer.now() - started
         self.round += 1
         self.pace.mixed(self.peer.now())
-        return RoundStats(r, len(expected), len(expected & self._arrived), wait_s, row.topology)
+        return RoundStats(r, len(expected), arrived, wait_s, row.topology)
 
     def report(self) -> dict[str, float]:
         return {**super().report(), "push_sum_weight": round(self.weight, 6), **self.pace.report()}
 
     def restart(self, round: int) -> None:
         super().restart(round)
-        self.weight = 1.0
-        self._arrived.clear()
+        self.segments = [(0, 1.0)]
+        self._coverage = Coverage()
         self._later.clear()
+        self._later_bytes = 0
 
     def _expected(self, r: int) -> set[tuple[str, int]]:
         """The (sender, round) shares this node waits for: round r's in-neighbours' that are
@@ -111,43 +140,93 @@ class SGP(Averager):
         slow = self.pace.stragglers(row.receive_from)
         return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1 and j not in slow}
 
-    def _take_shares(self, r: int, expected: set[tuple[str, int]]) -> None:
-        """Mix in the shares that have arrived, waiting (bounded) for the expected ones."""
-        for held in [m for m in self._later if m.round <= r]:
-            self._later.remove(held)
-            self._mix_in(held, r)
+    def _take_shares(self, r: int, expected: set[tuple[str, int]]) -> int:
+        """Mix in what has arrived, waiting (bounded) for the expected shares to be whole; how
+        many of those are."""
+        mix = RunningMix(
+            self.params, self.vector_layout, self.segments, self._scratch, self.lock, self._coverage
+        )
+        held, self._later, self._later_bytes = self._later, [], 0
+        for piece in held:
+            self._mix_in(piece, r, mix)
         deadline = self.peer.now() + self.wait_limit()
         while True:
-            missing = {(s, q) for s, q in expected - self._arrived if s in self.peer.members(q)}
+            missing = {(s, q) for s, q in expected if not mix.complete((s, q)) and s in self.peer.members(q)}
             timeout = 0.0 if not missing else max(0.0, deadline - self.peer.now())
             received = self.peer.recv(timeout, self.kinds)
             if received is None:
                 if not missing or self.peer.now() >= deadline:
                     break
                 continue
-            self._mix_in(received, r)
+            self._mix_in(received, r, mix)
         for sender, _ in missing:
             self.peer.missed(sender)
-        self._arrived = {(s, q) for s, q in self._arrived if q > r - self.max_staleness}
+        self.segments = _merged(mix.weights, self.params.size)
+        self._coverage.forget(lambda key: key[1] <= r - self.max_staleness)  # type: ignore[index]
+        return sum(mix.complete(key) for key in expected)
 
-    def _mix_in(self, message: Envelope, r: int) -> None:
-        if not self._valid(message, self.vector_layout, extra=1):
+    def _mix_in(self, message: Envelope, r: int, mix: RunningMix) -> None:
+        """Mix a share, or a piece of one, in; or count why not."""
+        key = (message.sender, message.round)
+        if message.kind not in self.kinds:
+            self.rejected["unexpected_kind"] += 1
             return
         self.pace.arrived(message.sender, message.round, self.peer.now())
-        if r < message.round <= r + HOLD_ROUNDS:  # a neighbour a little ahead: keep it for its round
-            self._later.append(message)
-            return
-        weight = message.tensors[1]
-        if weight.dtype != np.float64 or weight.shape != (1,) or not 0 < float(weight[0]) <= 1e6:
+        try:
+            weights = self._share_weights(message)
+        except PayloadError:
             self.rejected["bad_push_weight"] += 1
+            self._coverage.refused.add(key)
             return
-        if not self._fresh(message.round, r):
+        size = sum(t.nbytes for t in message.tensors)
+        if (
+            r < message.round <= r + HOLD_ROUNDS
+            and self._later_bytes + size <= HOLD_MODELS * self.params.nbytes
+        ):
+            self._later.append(message)  # a neighbour a little ahead: its share waits for its round
+            self._later_bytes += size
             return
-        total = self.weight + float(weight[0])
-        with self.lock:  # z += (w_j / (w + w_j)) (z_j - z)
-            self.params *= self.weight / total
-            add_scaled(self.params, message.tensors[0], float(weight[0]) / total, self._scratch)
-        self.weight = total
-        self._accepted(message)
-        self._arrived.add((message.sender, message.round))
-        self._newest[message.sender] = max(self._newest.get(message.sender, -1), message.round)
+        first = key not in self._coverage.taken and key not in self._coverage.refused
+        if first and not self._fresh(message.round, r):
+            self._coverage.refused.add(key)
+            return
+        if self._add(mix, key, message, weights) and first:
+            self._accepted(message)
+            self._newest[message.sender] = max(self._newest.get(message.sender, -1), message.round)
+
+    def _share_weights(self, message: Envelope) -> Segments:
+        """The share's weights by segment, from its header, checked."""
+        share = PushShare.decode(message.meta)
+        starts, weights = share.starts, share.weights
+        if not 1 <= len(starts) == len(weights) <= MAX_SEGMENTS:
+            raise PayloadError(f"{len(starts)} segment starts and {len(weights)} weights")
+        rising = all(a < b for a, b in itertools.pairwise(starts))
+        if starts[0] != 0 or not rising or starts[-1] >= max(self.params.size, 1):
+            raise PayloadError("segment starts must rise from 0 within the vector")
+        if not all(math.isfinite(w) and 0 < w <= MAX_WEIGHT for w in weights):
+            raise PayloadError(f"weights must be in (0, {MAX_WEIGHT:g}]")
+        return list(zip(starts, weights, strict=True))
+
+
+def _merged(segments: Segments, size: int) -> list[tuple[int, float]]:
+    """``segments`` with neighbours of (nearly) equal weight joined, each joined run taking its
+    elements' mean weight, so the mass is what it was; all joined into one where more than
+    ``MAX_SEGMENTS`` would remain (a share must be able to carry them)."""
+    runs: list[list[tuple[int, float]]] = []
+    for start, weight in segments:
+        if runs and abs(weight - runs[-1][0][1]) <= JOIN_TOLERANCE * runs[-1][0][1]:
+            runs[-1].append((start, weight))
+        else:
+            runs.append([(start, weight)])
+    if len(runs) > MAX_SEGMENTS:
+        runs = [[segment for run in runs for segment in run]]
+    bounds = [start for start, _ in segments[1:]] + [size]
+    ends = dict(zip([start for start, _ in segments], bounds, strict=True))
+    merged = []
+    for run in runs:
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
+        mass = sum(weight * (ends[start] - start) for start, weight in run)
+        merged.append((run[0][0], mass / (ends[run[-1][0]] - run[0][0])))
+    return merged

@@ -32,15 +32,20 @@ from gossip.buffers.staging import (
     plan_chunks,
     repeated_blocks,
 )
-from gossip.buffers.vector import BFLOAT16, Layout
+from gossip.buffers.vector import Layout, dtype_named
 
-#: the numpy dtype of each torch dtype a model may train in
-NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: BFLOAT16,
+#: the name of the numpy dtype of each torch dtype a model may train in
+FLOAT_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
 }
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype that holds the values of a model's ``dtype`` (one of FLOAT_DTYPES)."""
+    return dtype_named(FLOAT_DTYPES[dtype])
 
 
 class FlatParameters:
@@ -64,6 +69,8 @@ class FlatParameters:
             True on a CPU float32 model runs the staged path, as the tests do.
         chunk: elements per staged copy (see ``gossip.buffers.staging``).
         copies: where staged copies run; None: a side stream on a GPU, at once on the CPU.
+        tail: elements allocated after each bucket, outside the vector: room for a reader of a
+            tensor's memory that reads past its end (FSDP2's padded shards, ``gossip.buffers.shards``).
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class FlatParameters:
         staged: bool | None = None,
         chunk: int = STAGE_CHUNK,
         copies: CopyStream | None = None,
+        tail: int = 0,
     ) -> None:
         unique = list({id(p): p for p in params}.values())
         if not unique:
@@ -90,10 +98,10 @@ class FlatParameters:
                 f"parameters must share one device, got {devices}; move the whole model with "
                 "model.to(device) first"
             )
-        unknown = {p.dtype for p in everything} - NUMPY_DTYPES.keys()
+        unknown = {p.dtype for p in everything} - FLOAT_DTYPES.keys()
         if unknown:
             raise ValueError(
-                f"gossip averages float parameters ({', '.join(map(str, NUMPY_DTYPES))}), not {unknown}"
+                f"gossip averages float parameters ({', '.join(map(str, FLOAT_DTYPES))}), not {unknown}"
             )
         device = unique[0].device
         dtypes = {t.dtype for t in everything}
@@ -104,11 +112,11 @@ class FlatParameters:
         self.buckets: list[torch.Tensor] = []
         for group in groups:
             self.buckets.append(
-                _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets))
+                _bucket(group, device, self._spans, base=sum(b.numel() for b in self.buckets), tail=tail)
             )
         self.param_size = sum(p.numel() for p in unique)
         self.model_size = self.param_size + sum(t.numel() for t in held)
-        self.layout = Layout(tuple((NUMPY_DTYPES[b.dtype], b.numel()) for b in self.buckets))
+        self.layout = Layout(tuple((numpy_dtype(b.dtype), b.numel()) for b in self.buckets))
         self.vector_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
         in_place = (
             len(self.buckets) == 1 and self.buckets[0].dtype == self.vector_dtype and device.type == "cpu"
@@ -240,12 +248,20 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _bucket(
-    params: list[torch.Tensor], device: torch.device, spans: dict[int, tuple[int, int]], *, base: int
+    params: list[torch.Tensor],
+    device: torch.device,
+    spans: dict[int, tuple[int, int]],
+    *,
+    base: int,
+    tail: int,
 ) -> torch.Tensor:
-    """One flat tensor holding ``params`` (of one dtype), each made a view of it; ``spans``
-    gets each parameter's stretch of the vector (none for an empty one), where the bucket
-    starts at ``base``."""
-    bucket = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+    """One flat tensor holding ``params`` (of one dtype), each made a view of it, in memory of
+    ``tail`` zeros more; ``spans`` gets each parameter's stretch of the vector (none for an
+    empty one), where the bucket starts at ``base``."""
+    size = sum(p.numel() for p in params)
+    memory = torch.empty(size + tail, dtype=params[0].dtype, device=device)
+    memory[size:].zero_()
+    bucket = memory[:size]
     offset = 0
     for param in params:
         view = bucket[offset : offset + param.numel()]

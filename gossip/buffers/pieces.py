@@ -7,9 +7,11 @@ a convex combination of what has arrived for it at every moment::
 
     x[e] <- (W[e] x[e] + w v[e]) / (W[e] + w)
 
-where ``w`` is the sender's mixing weight and ``W[e]`` the weight mixed in at element ``e`` so
-far (the node's own weight to begin with). When every value arrived, ``x`` is the row's
-weighted mean; a neighbour cut off mid-message counts exactly where its pieces arrived, and
+where ``w`` is the sender's weight and ``W[e]`` the weight mixed in at element ``e`` so far
+(the node's own weight to begin with). Both may differ from one segment of the vector to the
+next: push-sum's weights (SGP) are per element where a share was cut off mid-message, and a mix
+may begin from, and a sender state, such a list of segments. When every value arrived, ``x`` is
+the row's weighted mean; a neighbour cut off mid-message counts exactly where its pieces arrived, and
 nowhere else, with the weights renormalised there. No message is held: what a node adds for a
 round is the pieces waiting to be mixed, and a reader of the model (evaluation, a joiner's
 state) sees a proper mix at any moment.
@@ -24,15 +26,18 @@ in-memory network) is checked whole first, and taken whole or not at all.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy as np
 
 from gossip.buffers.vector import Layout, all_finite
 
 BLOCK = 1 << 18  # elements mixed at a time: a block of the vector and of the piece stay in cache
+
+#: weights by segment of a vector: (first element, weight from there on), the first at element 0
+Segments: TypeAlias = Sequence[tuple[int, float]]
 
 
 class Piece(Protocol):
@@ -45,24 +50,42 @@ class Piece(Protocol):
     def specs(self) -> Sequence[tuple[np.dtype, tuple[int, ...], int]]: ...
 
 
+class Coverage:
+    """Which payload bytes of each message were mixed in, and which messages were refused. A
+    mix keeps its own; an algorithm whose messages may span several mixes (SGP mixes what has
+    arrived and goes on) keeps one across them."""
+
+    def __init__(self) -> None:
+        self.taken: dict[Hashable, list[tuple[int, int]]] = {}  # message -> payload bytes mixed
+        self.refused: set[Hashable] = set()
+
+    def forget(self, old: Callable[[Hashable], bool]) -> None:
+        """Drop what is known of the messages ``old`` names (none of their pieces may come again)."""
+        for key in [k for k in self.taken if old(k)]:
+            del self.taken[key]
+        self.refused = {key for key in self.refused if not old(key)}
+
+
 class RunningMix:
     """One round's mix into ``params`` (see the module docstring).
 
     Args:
         params: the node's vector, mixed in place (its own value when the round begins).
         layout: how neighbours' values go on the wire.
-        self_weight: the node's own weight in the round's row.
+        self_weight: the node's own weight in the round's row, one for the vector or by segment.
         scratch: a buffer of at least ``min(BLOCK, params.size)`` elements of ``params``' dtype.
         lock: held while a block of ``params`` is written.
+        coverage: what is known of the messages (default: this mix's own).
     """
 
     def __init__(
         self,
         params: np.ndarray,
         layout: Layout,
-        self_weight: float,
+        self_weight: float | Segments,
         scratch: np.ndarray,
         lock: AbstractContextManager[object],
+        coverage: Coverage | None = None,
     ) -> None:
         self._params = params
         self._layout = layout
@@ -71,28 +94,34 @@ class RunningMix:
         self._specs = [(np.dtype(d), (n,), n * np.dtype(d).itemsize) for d, n in layout.buckets]
         self._frame_bytes = np.cumsum([0, *(nbytes for _, _, nbytes in self._specs)])
         self._frame_elements = np.cumsum([0, *(n for _, n in layout.buckets)])
-        self._starts = [0]  # the weight mixed in is _weights[i] from element _starts[i] on
-        self._weights = [self_weight]
-        self._covered: dict[str, list[tuple[int, int]]] = {}  # sender -> payload bytes taken
-        self._refused: set[str] = set()
+        segments = [(0, self_weight)] if isinstance(self_weight, float | int) else self_weight
+        # the weight mixed in is _weights[i] from element _starts[i] on
+        self._starts = [int(start) for start, _ in segments]
+        self._weights = [float(weight) for _, weight in segments]
+        self._coverage = coverage if coverage is not None else Coverage()
+        self._mixed: set[Hashable] = set()  # the messages this mix took bytes of
 
     @property
-    def senders(self) -> set[str]:
-        """The senders whose values are (partly) mixed in."""
-        return set(self._covered)
+    def senders(self) -> set[Hashable]:
+        """The messages (senders, for a mix of one round) this mix took bytes of."""
+        return set(self._mixed)
 
-    def complete(self, sender: str) -> bool:
+    def complete(self, sender: Hashable) -> bool:
         """Whether all of ``sender``'s value is mixed in."""
         total = int(self._frame_bytes[-1])
-        return sum(hi - lo for lo, hi in self._covered.get(sender, ())) == total
+        return sum(hi - lo for lo, hi in self._coverage.taken.get(sender, ())) == total
 
     def add(
-        self, sender: str, tensors: Sequence[np.ndarray], piece: Piece | None, weight: float
+        self,
+        sender: Hashable,
+        tensors: Sequence[np.ndarray],
+        piece: Piece | None,
+        weight: float | Segments,
     ) -> str | None:
         """Mix in ``sender``'s value, whole (``tensors`` are its frames) or one ``piece`` of it
-        (``tensors`` are its bytes), with ``weight``; the reason it was refused (in part: from
-        its first bad block on), or None."""
-        if sender in self._refused:
+        (``tensors`` are its bytes), with ``weight`` (one, or by segment of the vector); the
+        reason it was refused (in part: from its first bad block on), or None."""
+        if sender in self._coverage.refused:
             return "refused_message"
         if piece is None:  # a whole value: checked whole, taken whole or not at all
             problem = self._layout.problem(tensors)
@@ -106,20 +135,24 @@ class RunningMix:
                 return self._refuse(sender, "tensor_mismatch")
             data, offset = list(tensors), piece.offset
         stop = offset + sum(part.nbytes for part in data)
-        if any(lo < stop and offset < hi for lo, hi in self._covered.get(sender, ())):
+        if any(lo < stop and offset < hi for lo, hi in self._coverage.taken.get(sender, ())):
             return "duplicate_piece" if piece is None else self._refuse(sender, "duplicate_piece")
+        segments = [(0, weight)] if isinstance(weight, float | int) else weight
+        starts, weights = [int(start) for start, _ in segments], [float(w) for _, w in segments]
         for part in data:
-            problem = self._add_bytes(sender, part, offset, weight)
+            problem = self._add_bytes(sender, part, offset, (starts, weights))
             if problem is not None:
                 return self._refuse(sender, problem)
             offset += part.nbytes
         return None
 
-    def _refuse(self, sender: str, reason: str) -> str:
-        self._refused.add(sender)
+    def _refuse(self, sender: Hashable, reason: str) -> str:
+        self._coverage.refused.add(sender)
         return reason
 
-    def _add_bytes(self, sender: str, data: np.ndarray, offset: int, weight: float) -> str | None:
+    def _add_bytes(
+        self, sender: Hashable, data: np.ndarray, offset: int, weight: tuple[list[int], list[float]]
+    ) -> str | None:
         """Mix bytes ``offset...`` of the payload (possibly across frames)."""
         base, end = offset, offset + data.size  # (data[0] is payload byte ``base``)
         if data.dtype != np.uint8 or end > self._frame_bytes[-1]:
@@ -140,16 +173,21 @@ class RunningMix:
             offset += hi - lo
         return None
 
-    def _mix(self, values: np.ndarray, first: int, weight: float) -> int:
-        """Mix ``values`` into elements ``first...``, block by block, each checked finite
-        first; how many were mixed (all, or up to the first bad block)."""
+    def _mix(self, values: np.ndarray, first: int, incoming: tuple[list[int], list[float]]) -> int:
+        """Mix ``values`` into elements ``first...`` with the sender's weights ``incoming`` (by
+        segment), block by block, each checked finite first; how many were mixed (all, or up
+        to the first bad block)."""
         done = 0
         while done < values.size:
             start = first + done
             segment = bisect.bisect_right(self._starts, start) - 1
+            theirs = bisect.bisect_right(incoming[0], start) - 1
+            weight = incoming[1][theirs]
             stop = first + values.size
             if segment + 1 < len(self._starts):
                 stop = min(stop, self._starts[segment + 1])
+            if theirs + 1 < len(incoming[0]):
+                stop = min(stop, incoming[0][theirs + 1])
             stop = min(stop, start + self._scratch.size)
             block = self._scratch[: stop - start]
             np.copyto(block, values[done : done + block.size], casting="same_kind")
@@ -183,9 +221,14 @@ class RunningMix:
             if 0 < i < len(self._starts) and self._weights[i] == self._weights[i - 1]:
                 del self._starts[i], self._weights[i]
 
-    def _cover(self, sender: str, lo: int, hi: int) -> None:
+    def _cover(self, sender: Hashable, lo: int, hi: int) -> None:
         if hi > lo:
-            self._covered.setdefault(sender, []).append((lo, hi))
+            ranges = self._coverage.taken.setdefault(sender, [])
+            if ranges and ranges[-1][1] == lo:  # (pieces come in order: one range a message)
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+            self._mixed.add(sender)
 
     @property
     def weights(self) -> Sequence[tuple[int, float]]:

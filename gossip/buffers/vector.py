@@ -24,10 +24,17 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> np.dtype:
-    """``BFLOAT16`` on first use: ml_dtypes takes a second to import, which a command that
-    only parses its options (and names an algorithm) should not pay."""
+    """``BFLOAT16`` on first use (see :func:`dtype_named`)."""
     if name != "BFLOAT16":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return dtype_named("bfloat16")
+
+
+def dtype_named(name: str) -> np.dtype:
+    """The numpy dtype called ``name``. bfloat16 is ml_dtypes', imported only for it: that takes
+    a second, which a command that only parses its options, or a float32 node, should not pay."""
+    if name != "bfloat16":
+        return np.dtype(name)
     import ml_dtypes
 
     bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)

@@ -24,6 +24,7 @@ from gossip.algorithms.registry import Algorithm
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.arrays import from_torch, shares_memory
 from gossip.buffers.flat import FlatParameters
+from gossip.buffers.shards import Shards, is_sharded, local_tensor
 from gossip.compression import AUTO_LADDER, AutoCodec, Codec
 from gossip.consensus import relative_distance
 from gossip.network import PeerNetwork
@@ -33,8 +34,18 @@ from gossip.optim.outer import MIN_LOCAL_STEPS, OuterNesterov
 from gossip.optim.quasi_global import QuasiGlobalMomentum
 from gossip.phases import PhaseTimer, TimedPeer
 from gossip.state.fetch import TransferStats, fetch_state
-from gossip.state.live import LiveState
-from gossip.state.manifest import Layout, Snapshot, check_fit
+from gossip.state.live import LiveState, StateWriter
+from gossip.state.manifest import (
+    BUFFER_PREFIX,
+    SCALAR_PREFIX,
+    Discard,
+    Layout,
+    Manifest,
+    Snapshot,
+    StateSink,
+    StateTransferError,
+    check_fit,
+)
 from gossip.state.server import StateServer
 from gossip.tuning.agreement import AgreeingPeer
 from gossip.tuning.auto_codec import CodecAgreement
@@ -80,6 +91,18 @@ def averaged_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
         and name not in module._non_persistent_buffers_set
         and bool(torch.isfinite(buffer).all())
     ]
+
+
+def _shards(params: list[torch.Tensor], model: torch.nn.Module | None, group: LocalGroup | None) -> Shards:
+    """The local shards of ``params`` (of ``model``, sharded over ``group``'s ranks); ValueError
+    saying what is missing."""
+    if group is None or model is None:
+        raise ValueError(
+            "shard=True shards the model over a machine's local ranks: give local_group (the "
+            "machine's ranks, which fully_shard sharded the model over) and model (the "
+            "fully_shard-ed module)"
+        )
+    return Shards.of(model, params, group.size)
 
 
 def saved_step_count(saved: Mapping[str, Any]) -> int:
@@ -150,6 +173,12 @@ class GossipOptimizer(torch.optim.Optimizer):
             and travel with them to a joiner, as DDP broadcasts them; integer buffers
             (``num_batches_tracked``) and non-persistent ones stay local. None: parameters only.
         average_buffers: False keeps ``model``'s buffers local too.
+        shard: the model is sharded over the machine's local ranks with torch's FSDP2
+            (``fully_shard(model)`` on ``local_group``'s ranks, before wrapping its optimizer;
+            ``model`` is that module): the flat buffer holds this rank's shard of every
+            parameter, in place (``gossip.buffers.shards``), FSDP's reduce-scatter averages the
+            gradients, and the rank gossips its whole shard (and the optimizer state of it, to
+            a joiner) with the same rank of the other machines; nothing is all-gathered for it.
 
     Options that do not go together (a codec for an algorithm that sends whole models...)
     raise ``gossip.IncompatibleOptionsError`` (``Algorithm.check``, which the command line's
@@ -176,6 +205,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         local_group: LocalGroup | None = None,
         model: torch.nn.Module | None = None,
         average_buffers: bool = True,
+        shard: bool = False,
     ) -> None:
         if average_every != AUTO and not (isinstance(average_every, int) and average_every >= 1):
             raise ValueError(f"average_every must be >= 1 or 'auto', got {average_every!r}")
@@ -192,6 +222,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         if local_group is not None:
             local_group.check_network(peer)
         self.local_group = local_group
+        self.shard = shard
         super().__init__(optimizer.param_groups, optimizer.defaults)  # torch's hooks and step profiling
         self.param_groups = optimizer.param_groups  # the same groups and state as the wrapped one
         self.state = optimizer.state
@@ -215,11 +246,26 @@ class GossipOptimizer(torch.optim.Optimizer):
         # one lock for the local step and the mixing: a background exchanger mixes at any time
         self._lock = lock if lock is not None else threading.Lock()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._gradients = BackwardAveraging(local_group, self._params) if local_group is not None else None
+        shards = _shards(self._params, model, local_group) if shard else None
+        if shards is None and is_sharded(self._params):
+            raise ValueError(
+                "the parameters are DTensors (a fully_shard-ed model): pass shard=True, with the "
+                "machine's local_group and the model"
+            )
+        replicated = local_group if shards is None else None  # DDP inside the machine
+        self._gradients = BackwardAveraging(replicated, self._params) if replicated is not None else None
         # with mix_momentum, SGD's buffers are views of the vector gossip mixes, after the parameters
         self._mixed_momentum = momentum_buffers(optimizer, self._params) if mix_momentum else []
         buffers = averaged_buffers(model) if model is not None and average_buffers else []
-        self.flat = FlatParameters(self._params, buffers=buffers, extras=self._mixed_momentum, staged=staged)
+        self.flat = FlatParameters(
+            shards.local if shards is not None else self._params,
+            buffers=buffers,
+            extras=self._mixed_momentum,
+            staged=staged,
+            tail=shards.tail if shards is not None else 0,
+        )
+        if shards is not None:
+            shards.bind()
         # CHOCO on a staged model mixes the model's own memory (on a GPU: cupy kernels on the
         # device, only the encoded frames staged); the outer step and the others need the host copy
         buckets = self.flat.buckets
@@ -240,8 +286,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         agreements = [a for a in (self.period_agreement, self.codec_agreement) if a is not None]
         if self.mixes_in_place:
             mixed, layout = from_torch(buckets[0]), None
-        elif local_group is not None:  # this rank's slice (a view: mixing writes the vector)
-            lo, hi = local_group.bounds(self.flat.array.size)[local_group.rank]
+        elif replicated is not None:  # this rank's slice (a view: mixing writes the vector)
+            lo, hi = replicated.bounds(self.flat.array.size)[replicated.rank]
             mixed, layout = self.flat.array[lo:hi], self.flat.layout.slice(lo, hi)
         else:
             mixed, layout = self.flat.array, self.flat.layout
@@ -370,8 +416,9 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.last_round = self.averager.after_step()
         group = self.local_group
         if group is not None:
-            with self._lock:
-                group.share_slices(self.flat.array)
+            if not self.shard:
+                with self._lock:
+                    group.share_slices(self.flat.array)
             if self.average_every == AUTO:  # every rank steps to rank 0's H
                 agreement = self.period_agreement
                 h = agreement.value_for(self.averager.round) if agreement is not None else None
@@ -390,8 +437,10 @@ class GossipOptimizer(torch.optim.Optimizer):
         to the device, each block (``blocks``; None: the items of the model's largest
         ModuleList or Sequential) waiting only for its own parameters (forward pre-hooks, kept
         for the optimizer's life; see ``gossip.buffers.staging`` for what this asks of the model). Only
-        a model on a GPU uploads in the background; elsewhere this does nothing."""
-        if self.flat.uploads_in_background and not self.mixes_in_place and not self._overlapping:
+        a model on a GPU uploads in the background; elsewhere, and for a sharded model (FSDP
+        gathers a block from its shards before the block's hooks run), this does nothing."""
+        overlaps = self.flat.uploads_in_background and not self.mixes_in_place and not self.shard
+        if overlaps and not self._overlapping:
             self.flat.overlap_upload(model, blocks)
             self._overlapping = True
 
@@ -501,6 +550,17 @@ class GossipOptimizer(torch.optim.Optimizer):
             ],
         )
 
+    def footprint(self) -> dict[str, int]:
+        """What this process holds of the model (with ``shard``: of its shard): ``parameters``,
+        their bytes, and the bytes of the wrapped optimizer's state (its tensors' here)."""
+        local = [local_tensor(p) for p in self._params]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {
+            "parameters": sum(t.numel() for t in local),
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in local),
+            "optimizer_state_bytes": sum(local_tensor(v).numel() * v.element_size() for v in state),
+        }
+
     @property
     def rounds_per_s(self) -> float:
         """This node's gossip rate so far (0 before its first round)."""
@@ -529,30 +589,50 @@ class GossipOptimizer(torch.optim.Optimizer):
         with self._lock:
             self.flat.copy_to_host()  # (waits for an upload still reading the host copy)
             np.copyto(reference, snapshot.tensors["params"])
-            self.flat.copy_to_device()
-            if self.momentum is not None:
-                self.momentum.restart()
             for name, array in snapshot.tensors.items():
-                if name.startswith("optimizer."):
-                    self._load_optimizer_buffer(name.removeprefix("optimizer."), array)
-                elif name.startswith("scalar."):
-                    self._load_optimizer_scalar(name.removeprefix("scalar."), array)
-            if self._mixed_momentum:
-                rebind(self.optimizer, self._params, self._mixed_momentum)
-                self.flat.copy_to_host()
+                if name.startswith(BUFFER_PREFIX):
+                    self._load_optimizer_buffer(name.removeprefix(BUFFER_PREFIX), array)
+            scalars = {n: a for n, a in snapshot.tensors.items() if n.startswith(SCALAR_PREFIX)}
+            self._loaded(scalars)
         self.step_count = saved_step_count(snapshot.counters)
+
+    def _loaded(self, scalars: Mapping[str, np.ndarray]) -> None:
+        """After a state's parameters (in the host copy) and optimizer buffers were loaded, under
+        the lock: the parameters to the device, the one-value entries as the optimizer keeps
+        them, the momentum (mixed or about to be) anew."""
+        self.flat.copy_to_device()
+        if self.momentum is not None:
+            self.momentum.restart()
+        for name, values in scalars.items():
+            self._load_optimizer_scalar(name.removeprefix(SCALAR_PREFIX), values)
+        if self._mixed_momentum:
+            rebind(self.optimizer, self._params, self._mixed_momentum)
+            self.flat.copy_to_host()
 
     def share_state(self) -> None:
         """Give every local rank local rank 0's training state and round (a collective: call it
-        on all ranks after rank 0 joined a running mesh with :meth:`join_from`)."""
+        on all ranks after rank 0 joined a running mesh with :meth:`join_from`). With
+        ``shard``, every rank holds the state of its own shard (taken with :meth:`join_from` on
+        every rank, or its own checkpoint's): only rank 0's step count and round go over."""
         group = self.local_group
         if group is None:
             raise ValueError("share_state is for a GossipOptimizer with a local_group")
+        if self.shard:
+            first_round = group.share_int(self.averager.round if group.rank == 0 else None)
+            steps = group.share_int(self.step_count if group.rank == 0 else None)
+            if group.rank > 0:
+                self.step_count = steps
+                self._start_at(first_round)
+            return
         snapshot = group.share_snapshot(self.snapshot() if group.rank == 0 else None)
         if group.rank == 0:
             return
         self.restore(snapshot)
-        first_round = int(snapshot.counters.get("round", 0))
+        self._start_at(int(snapshot.counters.get("round", 0)))
+
+    def _start_at(self, first_round: int) -> None:
+        """Take part in gossip from round ``first_round`` on (the outer step anchored at the
+        parameters now)."""
         self.averager.restart(first_round)
         if self.outer is not None:
             self.outer.reset(self.flat.array)
@@ -576,26 +656,52 @@ class GossipOptimizer(torch.optim.Optimizer):
         ahead (time for the mesh to hear: ``JOIN_LEAD_S`` at the sources' rate of rounds, at
         most ``MAX_ROUNDS_PER_S``), announce that round and return it. Raises
         StateTransferError (see ``gossip.state.fetch`` for ``patience_s`` and ``cancelled``);
-        :attr:`last_transfer` says how it went."""
+        :attr:`last_transfer` says how it went.
+
+        With ``shard`` every local rank calls it (a collective), with the same ``sources``: rank
+        r takes its shard from rank r of each source; the try fails on every rank when one
+        rank's does (the ranks take rank 0's counters after it, with :meth:`share_state`).
+
+        The state's chunks are written straight into the model and the optimizer's buffers as
+        they arrive (``gossip.state.live.StateWriter``): no copy of the state is held."""
         max_bytes = 4 * self.flat.array.nbytes + (1 << 16)
-        snapshot, self.last_transfer = fetch_state(
-            self.peer,
-            sources,
-            timeout=timeout,
-            max_bytes=max_bytes,
-            patience_s=patience_s,
-            cancelled=cancelled,
-            fits=lambda manifest: self._check_fit((e.name, e.dtype, e.shape) for e in manifest.entries),
-        )
-        if saved_step_count(snapshot.counters) > self.step_count:
-            self.restore(snapshot)
+        writer: StateWriter | None = None
+
+        def into_model(manifest: Manifest) -> StateSink:
+            """The chunks straight into the model and optimizer, unless this node has trained
+            as far (then they are read and let go)."""
+            nonlocal writer
+            if saved_step_count(manifest.counters) <= self.step_count:
+                return Discard()
+            writer = StateWriter(self.flat, self._params, self.optimizer, self._lock, manifest.entries)
+            return writer
+
+        group = self.local_group if self.shard else None  # (each rank takes its own shard)
+        try:
+            snapshot, self.last_transfer = fetch_state(
+                self.peer,
+                sources,
+                timeout=timeout,
+                max_bytes=max_bytes,
+                patience_s=patience_s,
+                cancelled=cancelled,
+                fits=lambda manifest: self._check_fit((e.name, e.dtype, e.shape) for e in manifest.entries),
+                sink=into_model,
+            )
+        except StateTransferError:
+            if group is not None:
+                group.agree(True)  # (the others' try ends with this one)
+            raise
+        if group is not None and group.agree(False):
+            raise StateTransferError(f"another local rank took no state from {', '.join(sources)}")
+        if writer is not None:
+            with self._lock:
+                self._loaded(writer.scalars)
+            self.step_count = saved_step_count(snapshot.counters)
         rate = min(snapshot.counters.get("rounds_per_s", 0.0), MAX_ROUNDS_PER_S)
         lead = math.ceil(rate * JOIN_LEAD_S) + 2
         first_round = int(snapshot.counters.get("round", 0)) + lead
-        self.averager.restart(first_round)
-        if self.outer is not None:
-            self.outer.reset(self.flat.array)
-        self._rounds_at_start = first_round
+        self._start_at(first_round)
         self.peer.start_at_round(first_round)
         return first_round
 
@@ -615,8 +721,14 @@ class GossipOptimizer(torch.optim.Optimizer):
             self.optimizer.state[param][key] = torch.tensor(value, dtype=scalar_dtype, device=device)
 
     def _load_optimizer_buffer(self, key: str, flat: np.ndarray) -> None:
+        """Each parameter's part of ``flat`` into its buffer ``key`` (made like the parameter,
+        a DTensor for a shard, where it has none or one of another shape)."""
         offset = 0
         for param in self._params:
-            part = torch.from_numpy(flat[offset : offset + param.numel()].copy()).view_as(param)
-            self.optimizer.state[param][key] = part.to(param.device, param.dtype)
-            offset += param.numel()
+            state = self.optimizer.state[param]
+            buffer = state.get(key)
+            if not isinstance(buffer, torch.Tensor) or buffer.shape != param.shape:
+                buffer = state[key] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            local = local_tensor(buffer)
+            local.copy_(torch.from_numpy(flat[offset : offset + local.numel()]).view_as(local))
+            offset += local.numel()

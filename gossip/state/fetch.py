@@ -3,8 +3,11 @@
 Each source is a lane: its manifest first, then up to ``window`` chunks requested and not yet
 received; every chunk that arrives frees a credit for the next request, so the transfer runs as
 fast as the link and the sources allow and no source queues more than the window. The state's
-counters (steps, round, rounds_per_s) are what the sources whose manifests arrived agree on
-(``gossip.state.manifest.agreed_counters``), not what the first one says. Chunks still
+counters (steps, round, rounds_per_s) are what the sources agree on
+(``gossip.state.manifest.agreed_counters``), never what one says: the fetch waits for the
+manifests of more than half of the sources not caught lying (a bad manifest or chunk), so a
+source that answers first and fast cannot set the joiner's round alone while honest ones are
+slower; a source whose round is far from the agreed one is named in ``outvoted``. Chunks still
 owed by a lane that has sent nothing for ``retry_s`` are asked of the lanes that move (or of it
 again); a lane silent for ``patience_s``, or whose answers are bad, is dropped. The transfer
 fails only when no lane is left, or after ``timeout``.
@@ -40,8 +43,10 @@ from gossip.state.manifest import (
     Assembly,
     Manifest,
     Snapshot,
+    StateSink,
     StateTransferError,
     agreed_counters,
+    far_from,
 )
 
 RETRY_S = 3.0  # a lane that owes chunks and sent nothing this long is asked for them again
@@ -58,6 +63,7 @@ class TransferStats:
     chunks: dict[str, int] = field(default_factory=dict)  # received from each source
     reasked: int = 0  # chunks asked again after their lane stalled
     dropped_sources: dict[str, str] = field(default_factory=dict)  # source -> why
+    outvoted: dict[str, str] = field(default_factory=dict)  # source -> how its counters were far off
 
     @property
     def mb_per_s(self) -> float:
@@ -72,6 +78,7 @@ class TransferStats:
             "chunks": dict(self.chunks),
             "reasked": self.reasked,
             "dropped_sources": dict(self.dropped_sources),
+            "outvoted": dict(self.outvoted),
         }
 
 
@@ -101,12 +108,15 @@ def fetch_state(
     patience_s: float = math.inf,
     cancelled: Callable[[], bool] = lambda: False,
     fits: Callable[[Manifest], None] = lambda manifest: None,
+    sink: Callable[[Manifest], StateSink] | None = None,
 ) -> tuple[Snapshot, TransferStats]:
     """The state of ``sources`` (see the module docstring) and how the transfer went. Raises
     StateTransferError naming each source and why it gave nothing usable, also when
     ``cancelled()`` turns true (asked every ``POLL_S``). ``fits`` raises StateTransferError
     for a manifest that does not fit the joiner's model: its source is left out before any
-    source's layout is taken as the reference."""
+    source's layout is taken as the reference. ``sink`` gives where the chunks of the
+    reference's layout go as they come (default: a buffer of the state's size, whose arrays
+    the snapshot returned holds; a sink that writes in place leaves the snapshot's empty)."""
     if not sources:
         raise StateTransferError("no source to take the state from")
     if not 1 <= window <= MAX_WINDOW:
@@ -118,7 +128,7 @@ def fetch_state(
             f"chunk_bytes must be a multiple of {ALIGN} in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, "
             f"got {chunk_bytes}"
         )
-    fetch = _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s, fits)
+    fetch = _Fetch(peer, sources, max_bytes, chunk_bytes, window, retry_s, patience_s, fits, sink)
     return fetch.run(timeout, cancelled)
 
 
@@ -133,12 +143,14 @@ class _Fetch:
         retry_s: float,
         patience_s: float,
         fits: Callable[[Manifest], None],
+        sink: Callable[[Manifest], StateSink] | None,
     ) -> None:
         self.peer, self.max_bytes, self.chunk_bytes, self.window = peer, max_bytes, chunk_bytes, window
-        self.retry_s, self.patience_s, self.fits = retry_s, patience_s, fits
+        self.retry_s, self.patience_s, self.fits, self.sink = retry_s, patience_s, fits, sink
         self.transfer = secrets.randbits(62)
         now = time.monotonic()
         self.lanes = {source: _Lane(source, now, now, now) for source in dict.fromkeys(sources)}
+        self.honest = len(self.lanes)  # sources not caught lying: more than half must state counters
         self.assembly: Assembly | None = None
         self.reference: str | None = None  # the source whose manifest the state follows
         self.missing: deque[int] = deque()  # chunks no lane owes
@@ -147,7 +159,7 @@ class _Fetch:
     def run(self, timeout: float, cancelled: Callable[[], bool]) -> tuple[Snapshot, TransferStats]:
         started = time.monotonic()
         deadline = started + timeout
-        while self.assembly is None or not self.assembly.complete:
+        while self.assembly is None or not self.assembly.complete or len(self._stated()) < self._quorum:
             now = time.monotonic()
             if cancelled():
                 raise self._error("cancelled")
@@ -156,6 +168,11 @@ class _Fetch:
             self._look_after_lanes(now)
             if not self.lanes:
                 raise self._error("")
+            if len(self.lanes) < self._quorum:
+                raise self._error(
+                    f"counters stated by {len(self._stated())} of the {self.honest} sources not caught "
+                    f"lying, fewer than the {self._quorum} the round is taken from"
+                )
             self._ask_for_chunks()
             wake = min([deadline, now + POLL_S, *(lane.manifest_due for lane in self.lanes.values())])
             message = self.peer.recv(max(wake - now, 0.0), JOINER_KINDS)
@@ -166,17 +183,30 @@ class _Fetch:
             snapshot = self.assembly.snapshot()
         except ValueError as exc:
             raise StateTransferError(f"state from {', '.join(self.stats.chunks)} rejected: {exc}") from None
-        # the counters as the sources whose manifests are in agree on them, not the reference's alone
-        stated = [lane.manifest.counters for lane in self.lanes.values() if lane.manifest is not None]
-        snapshot = Snapshot(snapshot.tensors, agreed_counters(stated))
+        stated = self._stated()
+        counters = agreed_counters(list(stated.values()))
+        for source, theirs in stated.items():
+            off = far_from(theirs, counters)
+            if off:
+                self.stats.outvoted[source] = off
+        snapshot = Snapshot(snapshot.tensors, counters)
         self.stats.bytes, self.stats.seconds = self.assembly.manifest.total, time.monotonic() - started
         return snapshot, self.stats
+
+    @property
+    def _quorum(self) -> int:
+        return self.honest // 2 + 1
+
+    def _stated(self) -> dict[str, dict[str, float]]:
+        """The counters of each source whose manifest is in."""
+        lanes = self.lanes.values()
+        return {lane.source: lane.manifest.counters for lane in lanes if lane.manifest is not None}
 
     def _look_after_lanes(self, now: float) -> None:
         for lane in list(self.lanes.values()):
             waited_on = lane.manifest is None or lane.owed  # (an idle lane owes nothing)
             if waited_on and now - lane.last_message >= self.patience_s:
-                self._drop(lane, f"silent for {self.patience_s:g} s")
+                self._drop(lane, f"silent for {self.patience_s:g} s", lied=False)
                 continue
             if lane.manifest is None and now >= lane.manifest_due:
                 ask = StateRequest(self.transfer, manifest=True)
@@ -241,7 +271,8 @@ class _Fetch:
         except StateTransferError as exc:
             raise ValueError(f"its state does not fit this model: {exc}") from None
         if self.assembly is None:
-            self.assembly = Assembly(manifest, self.chunk_bytes)
+            sink = self.sink(manifest) if self.sink is not None else None
+            self.assembly = Assembly(manifest, self.chunk_bytes, sink)
             self.reference = lane.source
             self.missing.extend(range(self.assembly.count))
         elif manifest.entries != self.assembly.manifest.entries:
@@ -265,7 +296,10 @@ class _Fetch:
         lane.settled += len(lane.owed)
         lane.owed.clear()
 
-    def _drop(self, lane: _Lane, why: str) -> None:
+    def _drop(self, lane: _Lane, why: str, *, lied: bool = True) -> None:
+        """Leave ``lane`` out: it ``lied`` (a bad answer), or went silent (it still counts
+        among the sources whose majority must state counters: silence may hide honesty)."""
+        self.honest -= lied
         if self.assembly is not None:
             self._give_back(lane)
         self.stats.dropped_sources[lane.source] = why

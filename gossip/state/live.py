@@ -23,8 +23,18 @@ from functools import partial
 import numpy as np
 import torch
 
-from gossip.buffers.flat import NUMPY_DTYPES, FlatParameters
-from gossip.state.manifest import Counters, Entry, Reader, Snapshot, read_stream, split
+from gossip.buffers.flat import FlatParameters, numpy_dtype
+from gossip.buffers.shards import local_tensor
+from gossip.state.manifest import (
+    BUFFER_PREFIX,
+    SCALAR_PREFIX,
+    Counters,
+    Entry,
+    Reader,
+    Snapshot,
+    read_stream,
+    split,
+)
 
 
 class LiveState:
@@ -85,15 +95,15 @@ class LiveState:
         arrays = [("params", self._dtype, params)]
         pairs = [(p, self._optimizer.state.get(p, {})) for p in self._params]
         buffers = {k for p, state in pairs for k, v in state.items() if _like(v, p)}
-        for key in sorted(buffers):
-            parts = [state[key] if key in state else torch.zeros_like(p) for p, state in pairs]
-            arrays.append((f"optimizer.{key}", self._dtype, parts))
+        for key in sorted(buffers):  # (of a sharded model: this rank's shards)
+            parts = [local_tensor(state[key] if key in state else torch.zeros_like(p)) for p, state in pairs]
+            arrays.append((f"{BUFFER_PREFIX}{key}", self._dtype, parts))
         scalars = {
             k for _, state in pairs for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0
         }
         for key in sorted(scalars):
             parts = [state[key].reshape(1) if key in state else _ZERO for _, state in pairs]
-            arrays.append((f"scalar.{key}", torch.float64, parts))
+            arrays.append((f"{SCALAR_PREFIX}{key}", torch.float64, parts))
         return arrays
 
 
@@ -102,20 +112,20 @@ Found = list[tuple[str, torch.dtype, list[torch.Tensor]]]  # name, dtype, the te
 
 def _entries(arrays: Found) -> list[Entry]:
     return [
-        Entry(name, NUMPY_DTYPES[dtype], (sum(s.numel() for s in parts),)) for name, dtype, parts in arrays
+        Entry(name, numpy_dtype(dtype), (sum(s.numel() for s in parts),)) for name, dtype, parts in arrays
     ]
 
 
 def _readers(arrays: Found) -> list[tuple[int, Reader]]:
     return [
-        (NUMPY_DTYPES[dtype].itemsize * sum(s.numel() for s in parts), partial(_read_bytes, parts, dtype))
+        (numpy_dtype(dtype).itemsize * sum(s.numel() for s in parts), partial(_read_bytes, parts, dtype))
         for _, dtype, parts in arrays
     ]
 
 
 def _read_bytes(segments: Sequence[torch.Tensor], dtype: torch.dtype, start: int, stop: int) -> np.ndarray:
     """Bytes ``start:stop`` of ``segments`` one after the other in ``dtype``, as a new array."""
-    itemsize = NUMPY_DTYPES[dtype].itemsize
+    itemsize = numpy_dtype(dtype).itemsize
     first, last = start // itemsize, -(-stop // itemsize)
     pieces, offset = [], 0
     for segment in segments:
@@ -134,3 +144,63 @@ _ZERO = torch.zeros(1, dtype=torch.float64)
 
 def _like(value: object, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == param.shape
+
+
+class StateWriter:
+    """A joiner's side of :class:`LiveState`: a state written straight into the model's host
+    copy and the optimizer's buffers as its chunks arrive (a ``gossip.state.manifest.StateSink``),
+    so no copy of the state is ever held. A buffer the state has that this optimizer has not
+    made yet (before its first step) is made first, zeros; the one-value entries (a float64 a
+    parameter) are kept for the optimizer to load as it keeps them (:attr:`scalars`).
+
+    Args are :class:`LiveState`'s, plus ``entries``: the state's layout, checked to fit."""
+
+    def __init__(
+        self,
+        flat: FlatParameters,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        lock: AbstractContextManager[object],
+        entries: Sequence[Entry],
+    ) -> None:
+        self._flat, self._lock = flat, lock
+        self._buffers: dict[str, list[torch.Tensor]] = {}
+        self.scalars = {
+            e.name: np.zeros(e.shape, e.dtype) for e in entries if e.name.startswith(SCALAR_PREFIX)
+        }
+        with lock:
+            flat.copy_to_host()  # (waits for an upload still reading the host copy)
+            for entry in entries:
+                if entry.name.startswith(BUFFER_PREFIX):
+                    key = entry.name.removeprefix(BUFFER_PREFIX)
+                    states = [optimizer.state[p] for p in params]
+                    for param, state in zip(params, states, strict=True):
+                        if not _like(state.get(key), param):
+                            state[key] = torch.zeros_like(param)
+                    self._buffers[entry.name] = [local_tensor(state[key]) for state in states]
+
+    def write(self, entry: Entry, first: int, values: np.ndarray) -> None:
+        if entry.name in self.scalars:
+            self.scalars[entry.name][first : first + values.size] = values
+            return
+        with self._lock:
+            if entry.name == "params":
+                self._flat.model_array[first : first + values.size] = values
+            else:
+                _write_elements(self._buffers[entry.name], first, values)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {}
+
+
+def _write_elements(segments: Sequence[torch.Tensor], first: int, values: np.ndarray) -> None:
+    """Elements ``first...`` of ``segments`` one after the other: ``values``, converted to each
+    segment's dtype and device."""
+    offset = 0
+    for segment in segments:
+        count = segment.numel()
+        lo, hi = max(first - offset, 0), min(first + values.size - offset, count)
+        if lo < hi:
+            part = torch.from_numpy(values[offset + lo - first : offset + hi - first].copy())
+            segment.detach().view(-1)[lo:hi].copy_(part)
+        offset += count

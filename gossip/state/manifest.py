@@ -24,8 +24,9 @@ A source reads each chunk from its live state when asked (it holds no copy of th
 so the stream is not one instant's state: each chunk is the source's values at the moment it
 was read, and with several sources each chunk is one member's. Gossip keeps members close, and
 the newcomer's first rounds average it further: this is the state a newcomer needs, at the
-link's speed, for the memory of a send window. The counters are those of the first source
-whose manifest arrived; a source whose layout differs from it is not used.
+link's speed, for the memory of a send window. The counters are what most sources state
+(``agreed_counters``), so one source's lie does not set the newcomer's round; a source whose
+layout differs from the first fitting one is not used.
 
 The receiver checks the manifest (version, sizes, dtypes, counters in range) before it
 allocates anything, and every chunk against it as it arrives (size, finite values), so a bad
@@ -34,6 +35,7 @@ chunk is pinned on the source that sent it; nothing touches the model before the
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,8 +45,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gossip.buffers.vector import BFLOAT16, all_finite
+from gossip.buffers.vector import all_finite, dtype_named
 from gossip.messages import STATE_CHUNK, STATE_MANIFEST, STATE_VERSION, StateManifest
+
+# the names of a state's arrays: "params", then BUFFER_PREFIX + each per-parameter buffer of the
+# optimizer (momentum, Adam's moments), SCALAR_PREFIX + each of its one-value entries (Adam's step)
+BUFFER_PREFIX, SCALAR_PREFIX = "optimizer.", "scalar."
 
 JOINER_KINDS = (STATE_MANIFEST, STATE_CHUNK)  # what a newcomer receives
 CHUNK_BYTES = 1 << 20
@@ -54,6 +60,7 @@ ALIGN = 8  # arrays start, and chunks end, at multiples of this: the widest valu
 WINDOW = 16  # chunks a newcomer keeps requested and not yet received, per source
 MAX_WINDOW = 32  # chunks a source sends beyond what the requester has settled (its send queue is 64)
 MAX_COUNTER = 2**53  # counters (steps, rounds, rates) are non-negative and exact as floats
+FAR_ROUNDS, FAR_S = 64, 60.0  # a source's round beyond both (rounds; s at the agreed rate) is a lie
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int64")
 
 Counters = Mapping[str, float]
@@ -65,6 +72,15 @@ def agreed_counters(stated: Sequence[Counters]) -> dict[str, float]:
     starts behind the mesh catches up; one ahead of every member mixes nothing until they come)."""
     names = dict.fromkeys(name for counters in stated for name in counters)
     return {name: statistics.median_low([c[name] for c in stated if name in c]) for name in names}
+
+
+def far_from(stated: Counters, agreed: Counters) -> str:
+    """How a source's ``round`` is far from the ``agreed`` one (more than ``FAR_S`` of the
+    agreed rate of rounds, and ``FAR_ROUNDS``), or "" when it is not."""
+    theirs, ours = stated.get("round", 0), agreed.get("round", 0)
+    if abs(theirs - ours) <= max(FAR_ROUNDS, FAR_S * agreed.get("rounds_per_s", 0)):
+        return ""
+    return f"it stated round {theirs:g}, the sources agree on {ours:g}"
 
 
 class StateTransferError(RuntimeError):
@@ -194,21 +210,61 @@ class Manifest:
                 or not all(type(d) is int and d >= 0 for d in entry[2])
             ):
                 raise ValueError(f"bad layout entry {shown(entry)}")
-            dtype = BFLOAT16 if entry[1] == "bfloat16" else np.dtype(entry[1])
-            entries.append(Entry(entry[0], dtype, tuple(entry[2])))
+            entries.append(Entry(entry[0], dtype_named(entry[1]), tuple(entry[2])))
         if sum(entry.span for entry in entries) != total:
             raise ValueError("the layout does not add up to the total size")
         return cls(tuple(entries), dict(counters), total)
 
 
-class Assembly:
-    """A state being received: a buffer of the manifest's size that chunks fill, in any order."""
+class StateSink(Protocol):
+    """Where a state being received goes, chunk by chunk as it arrives."""
 
-    def __init__(self, manifest: Manifest, chunk_bytes: int) -> None:
+    def write(self, entry: Entry, first: int, values: np.ndarray) -> None:
+        """Elements ``first...`` of array ``entry``: ``values``, of its dtype, checked."""
+        ...
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The arrays it holds once every chunk is in (none for one that writes them in place)."""
+        ...
+
+
+class StateBuffer:
+    """A sink that holds the state whole, in a buffer of the manifest's size: for a state
+    taken as it is (tests, tools); a joiner writes straight into its model instead."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._entries = manifest.entries
+        self._buffer = np.empty(manifest.total, np.uint8)
+        self._offsets = dict(zip((e.name for e in self._entries), _offsets(self._entries), strict=True))
+
+    def write(self, entry: Entry, first: int, values: np.ndarray) -> None:
+        start = self._offsets[entry.name] + first * entry.dtype.itemsize
+        self._buffer[start : start + values.nbytes] = values.reshape(-1).view(np.uint8)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return split(self._entries, self._buffer)
+
+
+class Discard:
+    """A sink that lets every chunk go: a node that has trained further than the state it is
+    sent (one resumed from its checkpoint) takes only the counters."""
+
+    def write(self, entry: Entry, first: int, values: np.ndarray) -> None:
+        """Nothing: the chunk is let go."""
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {}
+
+
+class Assembly:
+    """A state being received: chunks, in any order, each checked whole and then written to
+    ``sink`` (default: a :class:`StateBuffer`) array by array."""
+
+    def __init__(self, manifest: Manifest, chunk_bytes: int, sink: StateSink | None = None) -> None:
         self.manifest = manifest
         self.chunk_bytes = chunk_bytes
         self.count = manifest.chunks(chunk_bytes)
-        self.buffer = np.empty(manifest.total, np.uint8)
+        self.sink = sink if sink is not None else StateBuffer(manifest)
         self.seen: set[int] = set()
 
     @property
@@ -217,31 +273,41 @@ class Assembly:
 
     def add(self, index: Any, tensors: Sequence[np.ndarray]) -> bool:
         """Put chunk ``index`` in place; False for one already in. Raises ValueError for a
-        chunk that is not one of this state's, or that carries a NaN or infinite value."""
+        chunk that is not one of this state's, or that carries a NaN or infinite value (then
+        none of it is written)."""
         if type(index) is not int or not 0 <= index < self.count or len(tensors) != 1:
             raise ValueError(f"bad chunk {shown(index)}")
         if index in self.seen:
             return False
         start = index * self.chunk_bytes
-        stop = min(start + self.chunk_bytes, self.buffer.size)
+        stop = min(start + self.chunk_bytes, self.manifest.total)
         piece = tensors[0]
         if piece.dtype != np.uint8 or piece.shape != (stop - start,):
             raise ValueError(f"chunk {index} has the wrong size")
-        offset = 0
-        for entry in self.manifest.entries:  # (aligned: no value is split between chunks)
-            lo, hi = max(start, offset), min(stop, offset + entry.nbytes)
-            if lo < hi and entry.dtype.kind in "fV":
+        parts = []
+        for entry, offset in zip(self.manifest.entries, _offsets(self.manifest.entries), strict=True):
+            lo, hi = max(start, offset), min(stop, offset + entry.nbytes)  # (aligned: no value split)
+            if lo < hi:
                 values = piece[lo - start : hi - start].view(entry.dtype)
-                if not all_finite(values.astype(np.float32) if entry.dtype == BFLOAT16 else values):
+                finite = entry.dtype.kind not in "fV" or all_finite(
+                    values.astype(np.float32) if entry.dtype.name == "bfloat16" else values
+                )
+                if not finite:
                     raise ValueError(f"{entry.name} has NaN or infinite values (chunk {index})")
-            offset += entry.span
-        self.buffer[start:stop] = piece
+                parts.append((entry, (lo - offset) // entry.dtype.itemsize, values))
+        for entry, first, values in parts:
+            self.sink.write(entry, first, values)
         self.seen.add(index)
         return True
 
     def snapshot(self) -> Snapshot:
-        """The whole state (every chunk was checked as it came)."""
-        return Snapshot(split(self.manifest.entries, self.buffer), self.manifest.counters)
+        """What the sink holds (every chunk was checked as it came), with the manifest's counters."""
+        return Snapshot(self.sink.tensors(), self.manifest.counters)
+
+
+def _offsets(entries: Sequence[Entry]) -> list[int]:
+    """Where each array starts in the stream."""
+    return list(itertools.accumulate((entry.span for entry in entries[:-1]), initial=0))
 
 
 Layout = Iterable[tuple[str, np.dtype, tuple[int, ...]]]  # name, dtype and shape of each array
@@ -255,11 +321,11 @@ def check_fit(layout: Layout, values: np.ndarray, params: np.ndarray, tensors: i
     names = set()
     for name, dtype, shape in layout:
         names.add(name)
-        if name.startswith("scalar."):
+        if name.startswith(SCALAR_PREFIX):
             expected_dtype, expected_shape = np.dtype(np.float64), (tensors,)  # one value a parameter
         elif name == "params":
             expected_dtype, expected_shape = values.dtype, values.shape
-        elif name.startswith("optimizer."):
+        elif name.startswith(BUFFER_PREFIX):
             expected_dtype, expected_shape = params.dtype, params.shape
         else:
             raise StateTransferError(f"unknown snapshot tensor {name!r}")

@@ -3,8 +3,9 @@
 A transfer goes at the link's pace, not the training loop's: from the first training step on
 (:meth:`StateServer.start`), requests are answered as they come by a thread of its own
 (``PeerNetwork.start_background``), so a newcomer never waits for a member's step to end (a
-step of a large model takes seconds, which a whole transfer may not). Each chunk is read from the live state when it is asked for
-(``gossip.state.live``), so serving costs no copy of the state, only the chunks in flight.
+step of a large model takes seconds, which a whole transfer may not). Each chunk is read from
+the live state when it is asked for (``gossip.state.live``), so serving costs no copy of the
+state, only the chunks in flight.
 
 What a requester can make a source do is bounded: it answers members only, at most
 ``MAX_TRANSFERS`` requesters at once (a slot is taken over from a requester silent for
@@ -21,7 +22,9 @@ never the endless stream a requester claiming "all settled" would get otherwise.
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -75,7 +78,8 @@ class StateServer:
         """Answer requests as they come, on a thread of its own, until :meth:`close` (once;
         later calls do nothing)."""
         if self._thread is None and not self._stop.is_set():
-            self._thread = self._peer.start_background(f"state-{self._peer.node_id}", self._serve)
+            serving = functools.partial(_serve, weakref.ref(self), self._peer, self._stop)
+            self._thread = self._peer.start_background(f"state-{self._peer.node_id}", serving)
 
     def serve(self, wait: float = 0.0) -> int:
         """Answer the requests waiting (the first for up to ``wait`` s); how many were taken."""
@@ -93,10 +97,6 @@ class StateServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            self.serve(POLL_S)
 
     def _answer(self, request: Envelope) -> None:
         with self._lock:
@@ -163,6 +163,19 @@ class StateServer:
             transfer = self._transfers[requester] = _Transfer(ask.transfer, now)
         transfer.heard = now
         return None
+
+
+def _serve(server: weakref.ref[StateServer], peer: PeerNetwork, stop: threading.Event) -> None:
+    """The serving thread: it holds its server only while it answers a request, so a server
+    nobody else holds (an optimizer dropped without ``close``) is collected and its thread ends."""
+    while not stop.is_set():
+        request = peer.recv(POLL_S, (STATE_REQUEST,))
+        alive = server()
+        if alive is None:
+            return
+        if request is not None:
+            alive._answer(request)
+        del alive
 
 
 def _well_formed(ask: StateRequest) -> bool:

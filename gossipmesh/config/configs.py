@@ -67,6 +67,12 @@ DEFAULT_STEPS = 600  # a local test mesh's steps per node when given neither --s
 MAX_MESH_NODES = 256
 
 
+SHARD_NEEDS_RANKS = (
+    "shards the model over a machine's local ranks: give --local-ranks N (N >= 2), or run the "
+    "node under torchrun --standalone --nproc-per-node N"
+)
+
+
 class ConfigError(ValueError):
     """Bad configuration; the message names the option and what to pass instead."""
 
@@ -207,10 +213,16 @@ class TrainConfig(AveragedSGD):
     device: str = o.DEVICE.field()
     dtype: Precision = o.DTYPE.field()
     local_ranks: int = o.LOCAL_RANKS.field()
+    shard: bool = o.SHARD.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.steps is None or self.duration is None, "--steps", "give --steps or --duration, not both")
+        check(
+            not self.shard or self.dtype.name != "mixed",
+            "--shard",
+            "FSDP shards a model of one dtype: give --dtype float32, bfloat16 or float16",
+        )
 
 
 @dataclass(frozen=True)
@@ -296,6 +308,7 @@ class MeshConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.nodes <= MAX_MESH_NODES, "--nodes", f"must be in 1..{MAX_MESH_NODES}, got {self.nodes}")
+        check(not self.shard or self.local_ranks > 1, "--shard", SHARD_NEEDS_RANKS)
         try:  # the graph must exist for this node count (a hypercube needs a power of two...)
             self.graph.graph(self.nodes)
         except TopologyError as exc:

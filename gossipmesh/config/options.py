@@ -217,6 +217,11 @@ LOCAL_RANKS = Option(
     1,
     metavar="N",
 )
+SHARD = _switch(
+    "with --local-ranks N: shard the model over the machine's ranks with FSDP2 (fully_shard): "
+    "each rank holds, mixes and sends only its shard of the parameters and optimizer state, "
+    "with rank r of the other machines (a model N times one device's memory)"
+)
 STARTUP_TIMEOUT = Option(_POSITIVE, "longest wait for the bootstrap peers, s", 60.0)
 EVAL_INTERVAL = Option(_POSITIVE, "seconds between timeline points", 0.25)
 PROFILE = Option(choice(PROFILES), f"failure-detector timings: {', '.join(PROFILES)}", "local")

@@ -85,12 +85,12 @@ def _stale_temporaries(folder: Path) -> list[Path]:
     return stale
 
 
-def load_newest(folder: Path, skip: Collection[Path] = ()) -> Checkpoint | None:
-    """The newest checkpoint in ``folder`` (but those in ``skip``) that reads back whole, or
-    None; one that does not is moved aside (one the disk fails to read is only skipped: the
-    fault may pass)."""
+def load_newest(folder: Path, skip: Collection[Path] = (), at_most: int | None = None) -> Checkpoint | None:
+    """The newest checkpoint in ``folder`` (but those in ``skip``, and those of more than
+    ``at_most`` steps) that reads back whole, or None; one that does not is moved aside (one
+    the disk fails to read is only skipped: the fault may pass)."""
     for path in _checkpoints(folder):
-        if path in skip:
+        if path in skip or (at_most is not None and checkpoint_steps(path) > at_most):
             continue
         try:
             return _load(path)
@@ -146,8 +146,15 @@ def _checkpoints(folder: Path) -> list[Path]:
     """Checkpoint files in ``folder``, newest (most steps) first."""
     if not folder.is_dir():
         return []
-    found = [(int(m[1]), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    found = [(checkpoint_steps(p), p) for p in folder.iterdir() if _NAME.match(p.name)]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def checkpoint_steps(path: Path) -> int:
+    """The steps in a checkpoint file's name."""
+    match = _NAME.match(path.name)
+    assert match is not None
+    return int(match[1])
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -24,12 +24,20 @@ import numpy as np
 import torch
 
 from gossip import GossipOptimizer
+from gossip.buffers.shards import shard_model
 from gossip.optim.local_group import LocalGroup
 from gossip.state.fetch import RETRY_S, TransferStats
 from gossip.state.manifest import MAX_COUNTER, Snapshot, StateTransferError
-from gossipmesh.config import NodeConfig
+from gossipmesh.config import ConfigError, NodeConfig
+from gossipmesh.config.configs import SHARD_NEEDS_RANKS
 from gossipmesh.console import say
-from gossipmesh.daemon.checkpoint import Checkpoint, load_newest, restore_newest, save_checkpoint
+from gossipmesh.daemon.checkpoint import (
+    Checkpoint,
+    checkpoint_steps,
+    load_newest,
+    restore_newest,
+    save_checkpoint,
+)
 from gossipmesh.daemon.local_ranks import (
     RankPlace,
     collective_timeout,
@@ -117,19 +125,23 @@ class Entry:
     ) -> TransferStats | None:
         """Take a running mesh's state (returns how it went), or start from round 0 with the
         members present (None). On a machine of local ranks (a collective) rank 0 comes in,
-        then every rank takes its state (the one it took, resumed, or began with)."""
-        transfer = self._come_in(peer, optimizer, members, cancelled) if isinstance(peer, Peer) else None
-        if optimizer.local_group is not None:
+        then every rank takes its state (the one it took, resumed, or began with); with
+        ``--shard`` every rank takes its own shard's state from the same rank of the sources."""
+        group = optimizer.local_group
+        transfer = None
+        joins = self.joins_running_mesh and len(members) > 1
+        if joins and (isinstance(peer, Peer) or optimizer.shard):
+            transfer = join_running_mesh(peer, optimizer, self.config.startup_timeout, cancelled)
+        if transfer is None and isinstance(peer, Peer):
+            self._start_together(peer, optimizer, members, cancelled)
+        if group is not None:
             optimizer.share_state()
         return transfer
 
-    def _come_in(
+    def _start_together(
         self, peer: Peer, optimizer: GossipOptimizer, members: list[str], cancelled: Callable[[], bool]
-    ) -> TransferStats | None:
-        if self.joins_running_mesh and len(members) > 1:
-            transfer = join_running_mesh(peer, optimizer, self.config.startup_timeout, cancelled)
-            if transfer is not None:
-                return transfer
+    ) -> None:
+        """Start from round 0 with the members present (none of them trains yet)."""
         if self.first_round == NOT_YET:  # (also when no member trains yet: those present start together)
             peer.start_at_round(0)
             if self.joins_running_mesh:  # each member present starts with us, or takes our state
@@ -146,29 +158,33 @@ class Entry:
                 peer.wait_ready(
                     self.config.startup_timeout, expect=self.config.expect, round=0, cancelled=cancelled
                 )
-        return None
 
 
 def join_running_mesh(
-    peer: Peer, optimizer: GossipOptimizer, timeout: float, cancelled: Callable[[], bool]
+    peer: Peer | LocalRankPeer, optimizer: GossipOptimizer, timeout: float, cancelled: Callable[[], bool]
 ) -> TransferStats | None:
     """Take the state of members that train (ones that have announced their first round: a
     member still starting has no state to give), up to ``STATE_SOURCES`` at once, chosen in an
     random order of this node's own so that joiners spread over the mesh; silent sources and bad
     states are left for the others. None when no member trains (the members present start from
     round 0 together) or when ``cancelled()``; raises StateTransferError when none gave its
-    state within ``timeout``."""
-    me = peer.node_id
+    state within ``timeout``. On a sharded machine every rank calls it (a collective): rank 0
+    chooses the sources of each try, and each rank takes its shard from theirs."""
+    group = optimizer.local_group if optimizer.shard else None
     deadline = time.monotonic() + timeout
     failures: list[str] = []
     left_out: set[str] = set()  # sources that sent a bad state or went silent: asked last
-    while time.monotonic() < deadline and not cancelled():
-        hidden = peer.not_listening()  # (a node that does not listen reaches none of them)
-        sources = member_order(peer.members(NOT_YET - 1) - {me} - (hidden if me in hidden else set()))
+    while True:
+        going = time.monotonic() < deadline and not cancelled()
+        sources = _sources(peer, left_out) if going and not isinstance(peer, LocalRankPeer) else []
+        if group is not None:  # rank 0's choice (go on with these sources, or stop), and its view
+            going = bool(group.share_int(int(going) if group.rank == 0 else None))
+            sources = share_members(group, sources if group.rank == 0 else None)
+            group.share_view(peer)  # (each rank reaches the sources' ranks through it)
+        if not going:
+            break
         if not sources:
             return None
-        random.shuffle(sources)  # (a fresh order each try: no source is always asked first)
-        sources.sort(key=lambda source: source in left_out)  # (stable: the others keep their order)
         try:
             optimizer.join_from(
                 sources[:STATE_SOURCES],
@@ -180,13 +196,30 @@ def join_running_mesh(
             failures.append(str(exc))
             left_out |= exc.dropped.keys()
             if not cancelled():
-                log.warning("%s: %s; asking again", me, exc)
+                log.warning("%s: %s; asking again", peer.node_id, exc)
             continue
-        assert optimizer.last_transfer is not None
-        return optimizer.last_transfer
-    if cancelled():
+        transfer = optimizer.last_transfer
+        assert transfer is not None
+        for source, why in transfer.outvoted.items():
+            log.warning("%s: the counters of state source %s were outvoted: %s", peer.node_id, source, why)
+        return transfer
+    stopped = cancelled()
+    if group is not None:
+        stopped = bool(group.share_int(int(stopped) if group.rank == 0 else None))
+    if stopped:
         return None
     raise StateTransferError(f"no member gave its state within {timeout:g} s: " + "; ".join(failures[-3:]))
+
+
+def _sources(peer: Peer, left_out: set[str]) -> list[str]:
+    """The members to take the state of, in a fresh random order of this node's own (no source
+    is always asked first), those in ``left_out`` last."""
+    me = peer.node_id
+    hidden = peer.not_listening()  # (a node that does not listen reaches none of them)
+    sources = member_order(peer.members(NOT_YET - 1) - {me} - (hidden if me in hidden else set()))
+    random.shuffle(sources)
+    sources.sort(key=lambda source: source in left_out)  # (stable: the others keep their order)
+    return sources
 
 
 def save_state(
@@ -247,9 +280,12 @@ def resume(
 def join_machine(config: NodeConfig, device: str | None = None) -> tuple[NodeConfig, LocalGroup | None]:
     """This process's machine under torchrun: its local group (None for a process alone) and the
     config this rank runs. ``device``: the model's (default: ``--device``, where ``cuda`` becomes
-    this rank's own device). Local rank 0 keeps the machine's state, report and metrics."""
+    this rank's own device). Local rank 0 keeps the machine's state, report and metrics; with
+    ``--shard`` rank r > 0 keeps the checkpoints of its shard in ``STATE_DIR/rank-r``."""
     place = RankPlace.from_environment()
     if place is None:
+        if config.shard:
+            raise ConfigError(f"--shard: {SHARD_NEEDS_RANKS}")
         return config, None
     if device is None and config.device == "cuda":  # one device per local rank
         config = replace(config, device=f"cuda:{place.local_rank}")
@@ -258,7 +294,7 @@ def join_machine(config: NodeConfig, device: str | None = None) -> tuple[NodeCon
     if group.rank > 0:
         config = replace(
             config,
-            state_dir=None,
+            state_dir=rank_state_dir(config.state_dir, group.rank) if config.shard else None,
             report=None,
             save_params=None,
             live_params=None,
@@ -266,6 +302,25 @@ def join_machine(config: NodeConfig, device: str | None = None) -> tuple[NodeCon
             progress="none",
         )
     return config, group
+
+
+def rank_state_dir(state_dir: Path | None, local_rank: int) -> Path | None:
+    """Where local rank ``local_rank`` > 0 of a sharded machine keeps its shard's checkpoints."""
+    return state_dir / f"rank-{local_rank}" if state_dir is not None else None
+
+
+def machine_checkpoint(
+    group: LocalGroup, folder: Path | None, newest: Checkpoint | None
+) -> Checkpoint | None:
+    """The checkpoint of a sharded machine's rank: of the newest steps that every rank has (a
+    collective; a rank killed while writing a newer one takes its older one), None on every rank
+    when one has none."""
+    mine = checkpoint_steps(newest.path) if newest is not None else -1
+    target = min(int(steps) for steps in group.all_gather_bytes(str(mine).encode()))
+    if folder is not None and newest is not None and 0 <= target < mine:
+        newest = load_newest(folder, at_most=target)
+    found = newest is not None and checkpoint_steps(newest.path) == target
+    return newest if not group.agree(not found) else None
 
 
 def share_cores(
@@ -321,6 +376,8 @@ def member(
     made and not yet started; ``clock``: the report clock of its membership events."""
     node_id = config.id or default_id(config.listen)
     checkpoint = load_newest(config.state_dir) if config.state_dir is not None else None
+    if group is not None and config.shard:
+        checkpoint = machine_checkpoint(group, config.state_dir, checkpoint)
     entry = Entry(config, resumed=checkpoint is not None)
     peer: Peer | LocalRankPeer
     if group is None:
@@ -351,16 +408,36 @@ class Session:
     takes data on the ``--listen`` port + r); each backward pass averages the gradients over
     the ranks, each rank gossips its slice of the model, rank 0 keeps the membership and the
     checkpoints. Each rank trains on its own data: ``shard`` says which part.
+
+    With ``shard=True`` (or ``--shard``) the machine's ranks shard the model with FSDP2 instead
+    of each holding it whole: the Session calls ``fully_shard`` on the model's blocks and on the
+    model (after joining the machine's process group; ``optimizer``, made on the model's
+    parameters and not stepped yet, then holds the shards; a model made on the meta device is
+    made on ``--device`` shard by shard), each rank gossips its own shard,
+    takes it from the same rank of a running mesh, and checkpoints it (rank r > 0 in
+    ``STATE_DIR/rank-r``).
     """
 
-    def __init__(self, config: NodeConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        config, self.local_group = join_machine(config, str(next(model.parameters()).device))
+    def __init__(
+        self,
+        config: NodeConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        shard: bool = False,
+    ) -> None:
+        made = next(model.parameters()).device  # (meta: a model to make shard by shard)
+        config, self.local_group = join_machine(
+            replace(config, shard=config.shard or shard), None if made.type == "meta" else str(made)
+        )
         self.config = config
+        if config.shard:
+            shard_model(model, optimizer, device=config.device)
         joined = member(config, model, self.local_group)
         self.node_id, self._checkpoint, self.entry = joined.node_id, joined.checkpoint, joined.entry
         self.peer = joined.peer
         self.optimizer = config.gossip_optimizer(
-            optimizer, self.peer, local_group=self.local_group, model=model
+            optimizer, self.peer, local_group=self.local_group, model=model, shard=config.shard
         )
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.members: list[str] = []

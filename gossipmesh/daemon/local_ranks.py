@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -111,12 +111,20 @@ def share_members(group: LocalGroup, ordered: list[str] | None) -> list[str]:
 
 
 def gather_rank_records(
-    group: LocalGroup, network: Ranked, steps: int, data_batches: int, params: np.ndarray
+    group: LocalGroup,
+    network: Ranked,
+    steps: int,
+    data_batches: int,
+    params: np.ndarray,
+    footprint: Mapping[str, int],
 ) -> list[dict[str, Any]]:
     """Every rank's entry of the machine's record (``NodeRecord.local_ranks``; a collective);
-    ``params_digest`` tells whether the ranks ended with bitwise-equal parameters,
-    ``data_batches`` how far each rank is in its shard's order (over the machine's lives)."""
+    ``params_digest`` tells whether the ranks ended with bitwise-equal parameters (``params``:
+    the model's, or with ``--shard`` the rank's shard), ``data_batches`` how far each rank is
+    in its shard's order (over the machine's lives), the ``footprint`` what the rank holds
+    (``GossipOptimizer.footprint``: parameters, their bytes, the optimizer state's bytes)."""
     mine = {
+        **footprint,
         "local_rank": group.rank,
         "address": network.address,
         "steps": steps,

@@ -1,7 +1,9 @@
 """The timeline: a background thread that evaluates the node's model at a fixed interval.
 
 Evaluation takes the model lock, which training holds only while it writes parameters, so
-points keep coming while a round waits for a slow neighbour.
+points keep coming while a round waits for a slow neighbour. A model whose evaluation is a
+collective (sharded over a machine's ranks) is not started: the training loop records a
+point when one is :meth:`Recorder.due`, on every rank together.
 """
 
 from __future__ import annotations
@@ -45,14 +47,20 @@ class Recorder:
         self._on_point = on_point
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
+        self._next_at = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
 
+    def due(self) -> bool:
+        """Whether the next point is due (for a recorder not started)."""
+        return time.monotonic() >= self._next_at
+
     def stop(self) -> TimelinePoint:
-        """Stop sampling and record one last point of the final model."""
+        """Stop sampling (if started) and record one last point of the final model."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         return self.record()
 
     def record(self) -> TimelinePoint:
@@ -63,13 +71,12 @@ class Recorder:
         )
         self.timeline.append(point)
         self._on_point(point)
+        self._next_at = max(self._next_at + self._interval, time.monotonic())
         return point
 
     def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+        while not self._stop.wait(max(0.0, self._next_at - time.monotonic())):
             self.record()
-            next_at = max(next_at + self._interval, time.monotonic())
 
 
 def round_ms(seconds: float) -> float:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gossip.buffers.flat import host_vector
+from gossip.buffers.shards import release, whole_parameters
 from gossip.optim.local_group import LocalGroup
 from gossip.state.fetch import TransferStats
 from gossipmesh.config import NodeConfig
@@ -109,8 +110,10 @@ class Trainer:
         self.lock = threading.Lock()
         network = peer if config.byzantine is None else ByzantinePeer(peer, config.byzantine)
         self.optimizer = config.gossip_optimizer(
-            local_optimizer, network, lock=self.lock, local_group=local_group, model=model
+            local_optimizer, network, lock=self.lock, local_group=local_group, model=model, shard=config.shard
         )
+        # a sharded model's evaluation is a collective: every rank evaluates when rank 0's point is due
+        self._sharded = local_group if config.shard else None
         self.optimizer.overlap_upload(model)  # (on a GPU: the next forward overlaps the upload)
         self.recorder = Recorder(
             evaluate=self._evaluate,
@@ -200,14 +203,14 @@ class Trainer:
         self._batches = Batches(
             shard, config.batch_size, seed=config.seed + shard_index, resume=self._sampler_at
         )
-        if group is not None:  # the other ranks keep no checkpoint: they go on from rank 0's count
+        if group is not None:  # the other ranks go on from rank 0's count (with --shard: their own)
             before = group.share_int(self._data_batches_before if group.rank == 0 else None)
-            self._data_batches_before = before
-            if group.rank > 0:
+            if group.rank > 0 and self._sampler_at is None:
                 self._batches.skip(before)
+            self._data_batches_before = before
         checkpoints = config.state_dir is not None
         records = group is None or group.rank == 0  # (the other ranks hold the same model)
-        if records:
+        if records and self._sharded is None:
             self.recorder.start()
         try:
             for inputs, targets in self._batches:
@@ -234,6 +237,8 @@ class Trainer:
                     self._observe(self.metrics)
                 if checkpoints and self._checkpoints.due(progress.steps % config.checkpoint_every == 0):
                     self._try_checkpoint()
+                if self._sharded is not None and self._sharded.agree(records and self.recorder.due()):
+                    self._record(records)
         finally:
             self.optimizer.close()
             self.peer.leave(after_round=self.optimizer.round - 1)
@@ -243,6 +248,16 @@ class Trainer:
                 final = self.recorder.stop()
                 progress.timeline = self.recorder.timeline
                 progress.final = {"loss": final.loss, "accuracy": final.accuracy}
+            elif self._sharded is not None:  # (rank 0's last point gathers this rank's shards)
+                self._record(records)
+
+    def _record(self, records: bool) -> None:
+        """A timeline point of a sharded model, on every rank (rank 0 ``records`` it)."""
+        if records:
+            self.recorder.record()
+        else:
+            with self.lock:
+                self._evaluate()
 
     def _autocast(self) -> AbstractContextManager[object]:
         """Forward passes of a model narrower than float32 run under autocast (``--dtype``)."""
@@ -252,14 +267,19 @@ class Trainer:
         """A timeline point's evaluation (under the model lock); with ``--live-params``, a copy
         of the parameters too, at most every ``LIVE_PARAMS_EVERY_S``."""
         live = self.config.live_params
-        if live is not None and self._live_params.due(time.monotonic() >= self._live_params_at):
-            params = host_vector(self.model.parameters())
-            if self._live_params.write(lambda: write_array(live, params, sync=False)):
+        copy = live is not None and self._live_params.due(time.monotonic() >= self._live_params_at)
+        if self._sharded is not None:  # (gathering the shards is a collective: all ranks or none)
+            copy = self._sharded.agree(copy)
+        if copy:
+            params = host_vector(whole_parameters(self.model))
+            if live is not None and self._live_params.write(lambda: write_array(live, params, sync=False)):
                 self._live_params_at = time.monotonic() + LIVE_PARAMS_EVERY_S
-            else:
+            elif live is not None:
                 self.progress.live_params_failures += 1
         with self._autocast():
-            return self.task.evaluate(self.model)
+            evaluation = self.task.evaluate(self.model)
+        release(self.model)
+        return evaluation
 
     def _try_checkpoint(self) -> None:
         if not self._checkpoints.write(self.checkpoint):
@@ -293,6 +313,9 @@ class Trainer:
             "bytes_received": self.peer.stats.bytes_received,
             "peers": max(len(self.peer.members()) - 1, 0),  # after leaving, this node is not one
         }
+        if self._sharded is not None:  # what rank 0 holds of the model (the others: about as much)
+            footprint = self.optimizer.footprint()
+            row["shard_bytes"] = footprint["parameter_bytes"] + footprint["optimizer_state_bytes"]
         if self.config.progress == "json":
             emit(self.config.progress, {"event": "point", **row})
         elif self.config.progress == "text" and point.t - self._last_text >= _TEXT_PROGRESS_EVERY_S:

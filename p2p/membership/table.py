@@ -16,7 +16,9 @@ says second-hand the subject refutes (``refuted``), and its first-hand news is o
 An address and a CURVE key belong to one live id at a time: news of another id at a live
 member's address, or with its key, is a conflict unless that member itself says it (first-hand,
 with the key it holds; a node restarted under a new id), so nobody can add phantoms that a live
-member's process answers for.
+member's process answers for. When it does, the id that held them is dead from then on: a
+phantom put at a dead member's address ends when that member comes back, not when it is
+probed out.
 """
 
 from __future__ import annotations
@@ -164,8 +166,7 @@ class MemberTable:
             raise ConflictError(
                 f"{news.id} is at {current.address}, not {news.address}, or has other keys or ranks"
             )
-        if news.status.live:
-            self._check_claims(news, first_hand)
+        displaced = self._check_claims(news, first_hand) if news.status.live else []
         if not first_hand and not _believable(news, current):
             return None
         if current is not None and current.session != news.session:
@@ -178,11 +179,11 @@ class MemberTable:
             if not news.status.live:
                 self._end(news, now)
                 return None
-            self._put(news)
+            self._take_over(news, displaced, now)
             return Change(news, "joined")
         if not _supersedes(news, current):
             return None
-        self._put(news)
+        self._take_over(news, displaced, now)
         if not news.status.live:
             self._end(news, now)
         if news.status == current.status:
@@ -207,16 +208,29 @@ class MemberTable:
         """The live member at ``address``, if any."""
         return self._holders.get(address)
 
-    def _check_claims(self, news: Member, first_hand: bool) -> None:
+    def _check_claims(self, news: Member, first_hand: bool) -> list[Member]:
         """Raise ConflictError if another live id holds ``news``' address or key, unless that
-        holder itself says it (first-hand news under the holder's own key)."""
+        holder itself says it (first-hand news under the holder's own key): those holders,
+        which ``news`` displaces."""
+        displaced = []
         for claim in self._claims(news):
             if claim in self._own:
                 raise ConflictError(f"{news.id} claims {claim}, which is this node's")
             holder = self._holders.get(claim)
-            if holder is None or holder.id == news.id or (first_hand and holder.key == news.key):
+            if holder is None or holder.id == news.id:
                 continue
-            raise ConflictError(f"{news.id} claims {claim}, which live member {holder.id} holds")
+            if not (first_hand and holder.key == news.key):
+                raise ConflictError(f"{news.id} claims {claim}, which live member {holder.id} holds")
+            displaced.append(holder)
+        return displaced
+
+    def _take_over(self, news: Member, displaced: list[Member], now: float) -> None:
+        """Store ``news``; the ids whose address or key it took are dead (one node, one id)."""
+        for holder in displaced:
+            if self.members.get(holder.id) is holder:
+                self._put(replace(holder, status=Status.DEAD))
+                self._end(holder, now)
+        self._put(news)
 
     def _put(self, member: Member) -> None:
         """Store ``member`` and move the claims of its id to its new record (none once it ends)."""

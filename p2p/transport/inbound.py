@@ -7,8 +7,13 @@ connection beyond :data:`MAX_INBOUND` in all (at most half the process's descrip
 :data:`MAX_INBOUND_PER_ADDRESS` from one source address is shut down at once (``shutdown`` on
 a duplicate of the descriptor: ZeroMQ sees the connection end and closes its own), counted in
 ``refused``. A connection that has not finished its CURVE handshake within
-:data:`HANDSHAKE_MS` is closed by ZeroMQ (``ZMQ_HANDSHAKE_IVL``), so handshakes in flight are
-bounded by the caps and last at most that long.
+:data:`HANDSHAKE_MS` is closed by ZeroMQ (``ZMQ_HANDSHAKE_IVL``), and handshakes in flight are
+capped on their own: at most :data:`MAX_HANDSHAKES` in all and :data:`MAX_HANDSHAKES_PER_ADDRESS`
+from one address, so that a stranger's half-open handshakes (each holding the server's side of
+a CURVE exchange) cannot take every place. A connection counts as in its handshake from its
+acceptance until its first message arrives (the network thread calls :meth:`InboundGuard.heard`
+with the message's descriptor), it ends, or :data:`HANDSHAKE_MS` has passed (ZeroMQ has closed
+it by then unless its handshake succeeded): at most that, never less.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import resource
 import socket
+import time
 from collections import Counter
 
 import zmq
@@ -27,6 +33,8 @@ from p2p.security.ratelimit import QuietLog
 MAX_INBOUND = 1024  # connections accepted at once (and at most half the descriptor limit)
 MAX_INBOUND_PER_ADDRESS = 256  # from one source address (a host of many nodes, each with lanes)
 HANDSHAKE_MS = 10_000  # an inbound connection that is not authenticated by then is closed
+MAX_HANDSHAKES = 128  # inbound connections in their handshake at once...
+MAX_HANDSHAKES_PER_ADDRESS = 64  # ...and from one source address (a host's nodes starting at once)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,7 @@ class InboundGuard:
         self.refused: Counter[str] = Counter()  # connections shut down, by reason
         self._open: dict[int, str] = {}  # file descriptor -> source address
         self._per_address: Counter[str] = Counter()
+        self._handshaking: dict[int, float] = {}  # descriptor -> when accepted, until its first message
         self._router = router
         self._log = QuietLog(log)
 
@@ -48,6 +57,17 @@ class InboundGuard:
     def open(self) -> int:
         """Inbound connections open now."""
         return len(self._open)
+
+    @property
+    def handshaking(self) -> int:
+        """Inbound connections in their handshake now (at most; see the module docstring)."""
+        self._expire(time.monotonic())
+        return len(self._handshaking)
+
+    def heard(self, frame: zmq.Frame) -> None:
+        """A message arrived in ``frame``: its connection's handshake is over."""
+        if self._handshaking:
+            self._handshaking.pop(int(frame.get(zmq.SRCFD)), None)
 
     def drain(self) -> None:
         """Take every event the monitor holds."""
@@ -67,19 +87,34 @@ class InboundGuard:
         source = _source_of(fd, self.port)
         if source is None:  # (gone already, its descriptor reused by another kind of socket)
             return
+        now = time.monotonic()
+        self._expire(now)
         if len(self._open) >= self.limit:
             reason = "too_many_connections"
         elif self._per_address[source] >= MAX_INBOUND_PER_ADDRESS:
             reason = "too_many_from_address"
+        elif len(self._handshaking) >= MAX_HANDSHAKES:
+            reason = "too_many_handshakes"
+        elif sum(self._open[h] == source for h in self._handshaking) >= MAX_HANDSHAKES_PER_ADDRESS:
+            reason = "too_many_handshakes_from_address"
         else:
             self._open[fd] = source
             self._per_address[source] += 1
+            self._handshaking[fd] = now
             return
         self.refused[reason] += 1
         self._log.warning(reason, "refused an inbound connection from %s: %s", source, reason)
         _shut(fd)
 
+    def _expire(self, now: float) -> None:
+        """Forget the handshakes older than ``HANDSHAKE_MS``: over, one way or the other."""
+        for fd, accepted in list(self._handshaking.items()):
+            if now - accepted < HANDSHAKE_MS / 1000:
+                break  # (in order of acceptance)
+            del self._handshaking[fd]
+
     def _gone(self, fd: int) -> None:
+        self._handshaking.pop(fd, None)
         source = self._open.pop(fd, None)
         if source is not None:
             self._per_address[source] -= 1

@@ -507,6 +507,8 @@ class Transport:
             except zmq.Again:
                 return
             self.stats.bytes_received += sum(len(f) for f in frames[1:])
+            if self.inbound is not None:
+                self.inbound.heard(frames[0])
             self._accept(frames[0].bytes, frames[1:])
 
     def _drain_replies(self, target: Target, connection: Connection) -> None:
@@ -631,7 +633,10 @@ class Transport:
             return
         if self._authenticator is not None:
             self._authenticator.stop()
-        self._context.term()
+        if self._thread is not None and self._thread.is_alive():
+            self._context.term()  # its blocking calls end (ETERM), and it closes its sockets
+        else:  # (any socket left open would keep term() waiting for ever: none may hang a close)
+            self._context.destroy(linger=0)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
