@@ -12,6 +12,7 @@ import pytest
 from helpers import average_in_threads, wait_until
 
 from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, consensus_distance
+from gossip.algorithms.pace import Pace
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import SpecError, Topology
 
@@ -178,7 +179,7 @@ def test_dpsgd_that_fell_behind_catches_up_to_its_neighbours_round() -> None:
         stats = averager.average()
         assert stats.round == mixed_round and stats.arrived == 1
         np.testing.assert_allclose(own, value)
-        assert averager.rounds_skipped == (10 if catch_up else 0)
+        assert averager.pace.rounds_skipped == (10 if catch_up else 0)
 
 
 def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() -> None:
@@ -191,7 +192,37 @@ def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() 
     for r in range(3):
         honest.send("node-0", "params", r, [np.full(2, 3.0)])
         averager.average()
-    assert averager.round == 3 and averager.rounds_skipped == 0
+    assert averager.round == 3 and averager.pace.rounds_skipped == 0
+
+
+def paced_rounds(pace: Pace, rounds: range, lags: dict[str, float], step_s: float = 0.02) -> None:
+    """Rounds of a node taking ``step_s`` steps whose neighbours' values come ``lags`` after its
+    own (a clock of its own: round r is sent at r * 0.2 s)."""
+    for r in rounds:
+        sent = r * 0.2
+        pace.mixed(sent - step_s)
+        pace.sent(r, sent)
+        for j, lag in lags.items():
+            pace.arrived(j, r, sent + lag)
+
+
+def test_a_neighbour_whose_values_come_consistently_late_is_not_waited_for_until_it_keeps_up() -> None:
+    """Measured lags, not a timeout: a neighbour 140 ms behind nodes taking 20 ms steps is a
+    straggler; jitter of a few ms is not; a straggler that keeps up again is waited for again,
+    and a node told to wait passes no one over."""
+    pace, waiting = Pace(tolerate=True, catch_up=0), Pace(tolerate=False, catch_up=0)
+    neighbours = {"a", "b", "slow"}
+    for p in (pace, waiting):
+        paced_rounds(p, range(8), {"a": 0.002, "b": 0.009, "slow": 0.14})
+    assert pace.stragglers(neighbours) == {"slow"} and waiting.stragglers(neighbours) == set()
+    assert pace.age_bound("slow", now=7 * 0.2) >= 2  # its late values are mixed within this age
+    paced_rounds(pace, range(8, 16), {"a": 0.002, "b": 0.009, "slow": 0.004})
+    assert pace.stragglers(neighbours) == set()
+    paced_rounds(pace, range(16, 24), {"a": 0.002, "slow": 0.03})  # a ring: one of two is slower
+    assert pace.stragglers({"a", "slow"}) == set()  # 30 ms: less than 1.5 steps more than a's
+    paced_rounds(pace, range(24, 32), {"a": 0.002, "slow": 0.08})
+    assert pace.stragglers({"a", "slow"}) == {"slow"}
+    assert pace.report() == {"stragglers_passed_over": 2}
 
 
 def test_overlapped_dpsgd_keeps_the_mean_and_contracts_at_the_delayed_rate() -> None:

@@ -318,6 +318,26 @@ def test_outer_nesterov_step_matches_its_definition() -> None:
     np.testing.assert_allclose(params, [0.05 - 0.5 * (0.1 + 0.9 * 1.0), 2.0], rtol=1e-6)
 
 
+def test_a_round_that_mixed_too_little_takes_no_outer_step() -> None:
+    """The outer momentum extrapolates a neighbourhood's progress: a round that mixed in under
+    half of the values it expected keeps the parameters as they are for the anchor, and the
+    momentum for the next round that mixes enough."""
+    params = np.array([1.0, 2.0], dtype=np.float32)
+    outer = OuterNesterov(params, lr=0.5, momentum=0.9)
+    params[:] = [0.0, 2.0]
+    assert outer.after_mixing(params, expected=2, arrived=1)  # half of them: the outer step
+    np.testing.assert_allclose(params, [1 - 0.5 * (1 + 0.9 * 1), 2.0], rtol=1e-6)
+    velocity = outer.velocity.copy()
+    params -= [0.1, 0.0]
+    alone = params.copy()
+    assert not outer.after_mixing(params, expected=2, arrived=0)
+    np.testing.assert_array_equal(params, alone)
+    np.testing.assert_array_equal(outer.anchor, alone)
+    np.testing.assert_array_equal(outer.velocity, velocity)
+    assert outer.after_mixing(params, expected=0, arrived=0)  # no neighbours: nothing missing
+    assert outer.rounds_held == 1
+
+
 def test_compression_needs_choco_and_choco_needs_a_static_graph() -> None:
     network = MemoryNetwork()
     with pytest.raises(ValueError, match="compression=int8 needs algorithm=choco"):

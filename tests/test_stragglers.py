@@ -1,5 +1,5 @@
 """Heterogeneous nodes on real daemons: each algorithm trains a mesh, and a node slowed 8x
-does not hold the others back (except synchronous D-PSGD waiting for all, which it should)."""
+does not hold the others back (except D-PSGD told to wait for every neighbour, which it should)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gossipmesh.mesh import netns
 from node import main
 
 pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
@@ -17,9 +18,10 @@ pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
 NODES, SLOW = 6, 2
 
 
-def run(tmp_path: Path, algorithm: str, *argv: str) -> dict[str, Any]:
-    run_dir = tmp_path / algorithm.replace(":", "_") / ("slowed" if argv else "even")
-    flags = ["mesh", "--nodes", str(NODES), "--algorithm", algorithm, "--duration", "8", "--compute-ms", "20"]
+def run(tmp_path: Path, algorithm: str, *argv: str, duration: int = 8) -> dict[str, Any]:
+    run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"  # each run a folder of its own
+    flags = ["mesh", "--nodes", str(NODES), "--algorithm", algorithm, "--duration", str(duration)]
+    flags += ["--compute-ms", "20"]
     flags.append("--insecure")  # pace, not security, is measured: CURVE's CPU would blur it on 2 cores
     assert main([*flags, "--run-dir", str(run_dir), *argv]) == 0
     report: dict[str, Any] = json.loads((run_dir / "report.json").read_text())
@@ -43,10 +45,21 @@ def fast_rate(report: dict[str, Any]) -> float:
     return statistics.median(steady_rate(n) for n in report["nodes"] if n["rank"] != SLOW)
 
 
-@pytest.mark.parametrize("algorithm", ["adpsgd", "sgp", "dpsgd:backup=1", "dpsgd:backup=1,catch_up=2"])
-def test_a_node_slowed_8x_does_not_hold_the_others_back(tmp_path: Path, algorithm: str) -> None:
-    even = run(tmp_path, algorithm)
-    slowed = run(tmp_path, algorithm, "--slowdown", f"{SLOW}:8")
+@pytest.mark.parametrize(
+    ("algorithm", "flags"),
+    [
+        ("adpsgd", ()),
+        ("sgp", ()),
+        ("dpsgd", ()),
+        ("choco", ("--compression", "int8")),
+        ("dpsgd:backup=1,catch_up=0", ()),
+    ],
+)
+def test_a_node_slowed_8x_does_not_hold_the_others_back(
+    tmp_path: Path, algorithm: str, flags: tuple[str, ...]
+) -> None:
+    even = run(tmp_path, algorithm, *flags)
+    slowed = run(tmp_path, algorithm, *flags, "--slowdown", f"{SLOW}:8")
     assert fast_rate(slowed) >= 0.8 * fast_rate(even), (fast_rate(slowed), fast_rate(even))
     for report in (even, slowed):
         assert all(n["status"] == "finished" for n in report["nodes"])
@@ -55,14 +68,33 @@ def test_a_node_slowed_8x_does_not_hold_the_others_back(tmp_path: Path, algorith
     assert min(n["final"]["accuracy"] for n in even["nodes"]) >= 0.9
     slow = next(n for n in slowed["nodes"] if n["rank"] == SLOW)
     assert slow["steps"] < fast_steps(slowed) / 5  # it really was slow...
-    if algorithm != "dpsgd:backup=1":  # ...yet, averaging asynchronously or catching up, it kept up
+    if "catch_up=0" not in algorithm:  # ...yet, averaging asynchronously or catching up, it kept up
         assert slow["final"]["accuracy"] >= 0.9
     assert all("mean" in n["staleness"] for n in slowed["nodes"])
 
 
-def test_synchronous_dpsgd_runs_at_the_pace_of_its_slowest_node(tmp_path: Path) -> None:
-    slowed = run(tmp_path, "dpsgd", "--slowdown", f"{SLOW}:8")
+def test_dpsgd_told_to_wait_runs_at_the_pace_of_its_slowest_node(tmp_path: Path) -> None:
+    slowed = run(tmp_path, "dpsgd:stragglers=wait", "--slowdown", f"{SLOW}:8")
     assert fast_steps(slowed) < 0.25 * 8 / 0.02  # 8 s of 20 ms steps, at 1/8 of the pace or so
+
+
+def test_a_local_steps_mesh_with_one_link_10x_slower_keeps_pace_and_every_node_above_0_9(
+    tmp_path: Path,
+) -> None:
+    """Namespace hosts (root): every uplink at 4 Mbit/s, then the slow node's at 0.4, where its
+    model to two ring neighbours takes longer than its 10 local steps. Its neighbours pass it
+    over, it catches up with them, no outer step extrapolates a round that mixed too little:
+    the fast nodes keep their pace (with ``stragglers=wait`` they ran at a quarter of it, 10-12
+    steps/s against 41) and every node ends above 0.9. 20 s: the slow link's values come a few
+    a second, and a lag is known from the fourth."""
+    if reason := netns.unavailable():
+        pytest.skip(reason)
+    flags = ("--hosts", "netns", "--local-steps", "10", "--link", "4")
+    even = run(tmp_path, "dpsgd", *flags, duration=20)
+    slowed = run(tmp_path, "dpsgd", *flags, "--link", f"{SLOW}:0.4", duration=20)
+    assert fast_rate(slowed) >= 0.8 * fast_rate(even), (fast_rate(slowed), fast_rate(even))
+    assert all(n["status"] == "finished" for n in slowed["nodes"])
+    assert min(n["final"]["accuracy"] for n in slowed["nodes"]) >= 0.9
 
 
 def test_nodes_with_different_batch_sizes_train_together(tmp_path: Path) -> None:

@@ -24,6 +24,14 @@ renormalisation: the node just does not move towards it.
 
 Every holder must receive every q of its sender, so CHOCO runs on static undirected graphs.
 
+Stragglers (``stragglers=tolerate``, the default) as in D-PSGD (``gossip.algorithms.pace``): a
+round does not wait for a neighbour whose q's arrive consistently later than the others'; its
+replica is mixed at the version it has reached, within the age its lag predicts, the pair weight
+divided by (1 + age). A node whose neighbours are ``catch_up`` (2) or more rounds ahead skips to
+the round after theirs and sends its public copy as of the round before it (``CHOCO_FULL``), so
+its holders' replicas go on from there without asking. Mixing a replica of another round breaks
+the pair terms' cancellation: the mean of the models is then no longer kept exactly.
+
 What arrives is checked where it is used: a q must decode to finite values (the codecs refuse
 anything else), a full copy must be finite, and a replica that the q's of a diverged neighbour
 have made non-finite is dropped and asked for afresh (``rejected["non_finite"]``) rather than
@@ -46,6 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
+from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
 from gossip.buffers.vector import add_scaled, all_finite
 from gossip.compression import Codec, CodecError, Sparse
@@ -146,9 +155,6 @@ class _Replica:
         """A q is missing before the ones pending (they come in order from one sender)."""
         return bool(self.pending) and min(self.pending) != self.next_round
 
-    def usable_at(self, round: int) -> bool:
-        return self.value is not None and self.next_round == round + 1
-
 
 class CHOCO(Averager):
     """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus:
@@ -156,6 +162,10 @@ class CHOCO(Averager):
     codec: the compressor Q (``gossip.compression.Codec.parse``).
     gamma: the consensus step size γ in (0, 1]; None: 1 for a dense codec, adaptive for a
         sparse one (:class:`StepSize`).
+    stragglers: "tolerate": do not wait for a neighbour measured to lag behind the others;
+        "wait": wait for every neighbour.
+    catch_up: skip ahead when the neighbours are this many rounds ahead; 0: never; None:
+        ``pace.CATCH_UP`` when tolerating stragglers.
     """
 
     name: ClassVar[str] = "choco"
@@ -170,6 +180,8 @@ class CHOCO(Averager):
         *,
         codec: Codec,
         gamma: float | None = None,
+        stragglers: str = "tolerate",
+        catch_up: int | None = None,
         **common: Unpack[AveragerOptions],
     ) -> None:
         if params.dtype != np.float32:
@@ -183,9 +195,13 @@ class CHOCO(Averager):
         self._replicas: dict[str, _Replica] = {}
         self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
+        self.pace = pace_option(self.name, stragglers, catch_up)
+        self._stragglers: set[str] = set()  # this round's neighbours not waited for
 
     def after_step(self) -> RoundStats:
         self._time_round()
+        if (skip := self.pace.skip_to(self.round, self.peer.members())) is not None:
+            self._skip_to(skip)
         r = self.round
         codec = self.codec.for_round(r)
         difference = self.params - self.public
@@ -203,12 +219,25 @@ class CHOCO(Averager):
             for target in row.send_to:
                 self.peer.send(target, CHOCO_UPDATE, r, frames, meta)
         started = self.peer.now()
+        self.pace.sent(r, started)
         expected = self._gather(r, row)
         wait_s = self.peer.now() - started
         with self.lock:
             mixed = self._mix(r, row)
         self.round += 1
+        self.pace.mixed(self.peer.now())
         return RoundStats(r, len(expected), len(expected & mixed), wait_s, row.topology)
+
+    def _skip_to(self, r: int) -> None:
+        """Go on from round ``r``: the public copy, unchanged by the rounds skipped, goes to the
+        holders of its replicas as that of round r - 1, so the q of round r follows on."""
+        self.round = r
+        self._published = r - 1
+        copy = to_host([self.public.copy()])
+        meta = ChocoStep(self._published_gamma).encode()
+        for target in self._row(r).send_to:
+            self.peer.send(target, CHOCO_FULL, self._published, copy, meta)
+            self.full_copies_sent += 1
 
     def restart(self, round: int) -> None:
         super().restart(round)
@@ -217,7 +246,8 @@ class CHOCO(Averager):
         self._replicas.clear()
 
     def report(self) -> dict[str, float]:
-        return {**super().report(), "full_copies_sent": self.full_copies_sent, "gamma": self.step_size.value}
+        figures = {"full_copies_sent": self.full_copies_sent, "gamma": self.step_size.value}
+        return {**super().report(), **figures, **self.pace.report()}
 
     # -- replicas -----------------------------------------------------------------------------
 
@@ -232,7 +262,8 @@ class CHOCO(Averager):
             self._catch_up(replica, r)
             if replica.value is None:
                 self._ask_full_copy(j, replica)
-        expected = set(row.receive_from) - self._silent
+        self._stragglers = self.pace.stragglers(row.receive_from)
+        expected = set(row.receive_from) - self._silent - self._stragglers
         deadline = self.peer.now() + self.wait_limit()
         while True:
             waiting = {j for j in expected & members if self._replicas[j].next_round <= r}
@@ -271,6 +302,7 @@ class CHOCO(Averager):
             self.rejected[exc.reason] += 1
             return
         self._heard_from(sender)
+        self.pace.arrived(sender, message.round, self.peer.now())
         self.staleness.add(max(0, self.round - message.round))  # late q's still count in full
         replica = self._replicas.setdefault(sender, _Replica())
         if message.round < replica.next_round:
@@ -318,17 +350,24 @@ class CHOCO(Averager):
 
     def _mix(self, r: int, row: MixingRow) -> set[str]:
         """x_i += Σ_j γ_ij w_ij (x̂_j - x̂_i) over the neighbours whose replica is at round r,
-        γ_ij = min(γ_i, γ_j) at round r (the same on both sides of the pair)."""
-        usable = [j for j in row.receive_from if j in self._replicas and self._replicas[j].usable_at(r)]
+        γ_ij = min(γ_i, γ_j) at round r (the same on both sides of the pair); a straggler's
+        replica at an earlier round within its age bound, w_ij divided by (1 + age)."""
+        now = self.peer.now()
+        usable: set[str] = set()
         total = 0.0
-        for j in usable:
-            replica = self._replicas[j]
-            assert replica.value is not None
-            weight = min(self._published_gamma, replica.gamma) * row.receive_from[j]
+        for j in row.receive_from:
+            replica = self._replicas.get(j)
+            if replica is None or replica.value is None:
+                continue
+            age = r + 1 - replica.next_round
+            if age and (j not in self._stragglers or not 0 < age <= self.pace.age_bound(j, now)):
+                continue
+            weight = min(self._published_gamma, replica.gamma) * row.receive_from[j] / (1 + age)
             add_scaled(self.params, replica.value, weight, self._scratch)
             total += weight
+            usable.add(j)
         add_scaled(self.params, self.public, -total, self._scratch)
-        return set(usable)
+        return usable
 
 
 def _finite(value: Array) -> bool:

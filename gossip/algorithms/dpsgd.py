@@ -8,18 +8,22 @@ exactly. The graph may be directed or change every round (``one-peer-exponential
 ``random-matching``): each round's row comes from the topology, and from the membership of that
 round (``peer.members(round)``), so a node that left after round R is in the graph up to R.
 
-Stragglers: with ``backup=k`` a round proceeds as soon as k of its d neighbours' values are in
-(backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is
-mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
+Stragglers: by default (``stragglers=tolerate``) a round does not wait for a neighbour whose values
+have arrived consistently later than the others' (its lag measured against this node's sends,
+``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within the
+age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead of it
+catches up (below, ``catch_up=2``). ``stragglers=wait`` waits for every neighbour, bounded by the
+round's wait limit. With ``backup=k`` a round proceeds as soon as k of the neighbours it waits for
+are in (backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing
+is mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
 rest left with the node itself (an old value says less about where the mesh is now). With
-``catch_up=c`` a node whose neighbours are c or more rounds ahead of it (a straggler, which
-backup workers leave behind) skips to the round after theirs instead of working through the
-rounds they have left: it then mixes their newest values and sends in time for their rounds
-again, rather than mixing values long gone by (or none: past ``max_rounds_ahead`` they are
-dropped). "Their round" is the median of the newest rounds heard from each, so one neighbour
-naming a round far ahead cannot throw the node forward. The rounds it skips it neither sends nor
-mixes; the others mix what they have, so, as with backup workers, the mean is no longer kept
-exactly.
+``catch_up=c`` a node whose neighbours are c or more rounds ahead of it (a straggler, which backup
+workers leave behind) skips to the round after theirs instead of working through the rounds they
+have left: it then mixes their newest values and sends in time for their rounds again, rather than
+mixing values long gone by (or none: past ``max_rounds_ahead`` they are dropped). The rounds it
+skips it neither sends nor mixes; the others mix what they have, so, as with backup workers and
+stragglers not waited for, each row still sums to one but the columns no longer do: the mean is no
+longer kept exactly (the fast nodes' models weigh more in it).
 
 Overlap (``overlap=1``): round r sends x_i as usual but mixes the values of round r - 1, which
 were sent a whole round (a step, or H local steps) ago and are usually in by now, so the
@@ -47,13 +51,13 @@ arrived. The others hold each neighbour's value whole until the round mixes.
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
+from gossip.algorithms.pace import pace_option
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix
 from gossip.buffers.vector import Frames
@@ -71,11 +75,14 @@ OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed m
 class DPSGD(Averager):
     """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus:
 
+    stragglers: "tolerate": do not wait for a neighbour measured to lag behind the others (see
+        above); "wait": wait for every neighbour.
     backup: proceed once this many neighbours' values are in (0: wait for all of them).
     overlap: 1: mix the values of the previous round (see above); 0: of this round.
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
     exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
-    catch_up: skip ahead when the neighbours are this many rounds ahead (see above); 0: never.
+    catch_up: skip ahead when the neighbours are this many rounds ahead (see above); 0: never;
+        None: ``pace.CATCH_UP`` when tolerating stragglers without overlap, else never.
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.algorithms.robust``).
     """
 
@@ -94,7 +101,8 @@ class DPSGD(Averager):
         max_rounds_ahead: int = 64,
         robust: RobustRule | None = None,
         exact_every: int = 0,
-        catch_up: int = 0,
+        stragglers: str = "tolerate",
+        catch_up: int | None = None,
         **common: Unpack[AveragerOptions],
     ) -> None:
         super().__init__(peer, params, max_staleness=max_staleness, **common)
@@ -114,9 +122,8 @@ class DPSGD(Averager):
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
-        self.catch_up = catch_up
-        self._newest_heard: dict[str, int] = {}  # sender -> the newest round of its values
-        self.rounds_skipped = 0
+        self.pace = pace_option(self.name, stragglers, catch_up, overlap)
+        self._stragglers: set[str] = set()  # this round's neighbours not waited for
 
     def after_step(self) -> RoundStats:
         return self.average()
@@ -126,29 +133,30 @@ class DPSGD(Averager):
         self._sent.clear()
 
     def report(self) -> dict[str, float]:
-        return (
-            {**super().report(), "rounds_skipped": self.rounds_skipped} if self.catch_up else super().report()
-        )
+        return {**super().report(), **self.pace.report()}
 
     def average(self) -> RoundStats:
         """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
         the previous round's)."""
         self._time_round()
-        if self.catch_up and self._newest_heard:
-            members = self.peer.members()
-            self._newest_heard = {j: r for j, r in self._newest_heard.items() if j in members}
-            ahead = statistics.median_low(self._newest_heard.values()) if self._newest_heard else -1
-            if ahead - self.round >= self.catch_up:
-                self._skip_to(ahead + 1)
+        if (skip := self.pace.skip_to(self.round, self.peer.members())) is not None:
+            self._skip_to(skip)
         r = self.round
         sending = self._round_row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
         frames = self.layout.pack(snapshot)
         for target in sending.send_to:
             self.peer.send(target, PARAMS, r, frames)
+        self.pace.sent(r, self.peer.now())
         self.round += 1
-        if self.streams:
-            return self._mix_as_they_come(r, sending)
+        stats = (
+            self._mix_as_they_come(r, sending) if self.streams else self._mix_gathered(r, sending, snapshot)
+        )
+        self.pace.mixed(self.peer.now())
+        return stats
+
+    def _mix_gathered(self, r: int, sending: MixingRow, snapshot: np.ndarray) -> RoundStats:
+        """Round ``r`` (with overlap: r - 1) mixed once its values are gathered (bounded wait)."""
         mixed = r - self.overlap
         own = self._sent.pop(mixed, None) if self.overlap else snapshot
         if self.overlap:
@@ -168,7 +176,6 @@ class DPSGD(Averager):
         return RoundStats(mixed, len(row.receive_from), len(values), wait_s, row.topology)
 
     def _skip_to(self, r: int) -> None:
-        self.rounds_skipped += r - self.round
         self.round = r
         for early in (self._early, self._early_pieces):
             for old in [k for k in early if k < r]:
@@ -178,14 +185,15 @@ class DPSGD(Averager):
         """Round ``r`` mixed piece by piece as the neighbours' values arrive (bounded wait)."""
         mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
         neighbours = set(row.receive_from)
-        enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
+        waited = self._waited(neighbours)
+        enough = min(self.backup, len(waited)) if self.backup else len(waited)
         for early in self._early_pieces.pop(r, []):
             self._take_piece(early, r, row, mix)
-        waiting = {j for j in neighbours - self._silent if not mix.complete(j)}
+        waiting = {j for j in waited - self._silent if not mix.complete(j)}
         started = self.peer.now()
         deadline = started + self.wait_limit()
         timed_out = False
-        while waiting and sum(mix.complete(j) for j in neighbours) < enough:
+        while waiting and sum(mix.complete(j) for j in waited) < enough:
             remaining = deadline - self.peer.now()
             if remaining <= 0:
                 timed_out = True
@@ -199,7 +207,7 @@ class DPSGD(Averager):
         while (arrived := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
             self._take_piece(arrived, r, row, mix)
         if timed_out:
-            self._went_silent(neighbours - mix.senders)
+            self._went_silent(waited - mix.senders)
         wait_s = self.peer.now() - started
         return RoundStats(r, len(neighbours), len(neighbours & mix.senders), wait_s, row.topology)
 
@@ -210,25 +218,31 @@ class DPSGD(Averager):
         if message.kind not in self.kinds:
             self.rejected["unexpected_kind"] += 1
             return
-        self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
+        self.pace.arrived(sender, message.round, self.peer.now())
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
             return
-        if message.round != r:  # checked when its round comes, or too late: it is sending again
+        age = r - message.round
+        if age < 0:  # checked when its round comes
             self._heard_from(sender)
-            if message.round > r:
-                self._early_pieces[message.round].append(message)
-            else:
-                self.dropped["stale"] += 1
+            self._early_pieces[message.round].append(message)
         elif sender not in row.receive_from:
             self.dropped["not_a_neighbour"] += 1
-        else:
+        elif age and (sender not in self._stragglers or age > self.pace.age_bound(sender, self.peer.now())):
+            self._heard_from(sender)  # too late: it is sending again
+            self.dropped["stale"] += 1
+        else:  # this round's value, or a straggler's late one (discounted by its age)
             first = sender not in mix.senders
-            if self._add(mix, sender, message, row.receive_from[sender]):
+            if self._add(mix, sender, message, row.receive_from[sender] / (1 + age)):
                 self._heard_from(sender)
                 if first:
-                    self.staleness.add(0)
+                    self.staleness.add(age)
                     self._accepted(message)
+
+    def _waited(self, neighbours: set[str]) -> set[str]:
+        """The neighbours this round waits for: all but the measured stragglers."""
+        self._stragglers = self.pace.stragglers(neighbours)
+        return neighbours - self._stragglers
 
     def _round_row(self, r: int) -> MixingRow:
         """The row of round ``r``: on the complete graph every ``exact_every``-th round."""
@@ -239,11 +253,12 @@ class DPSGD(Averager):
         """Neighbours' values for round r as (frames, age in rounds)."""
         got = self._early.pop(r, {})
         neighbours = set(row.receive_from)
-        enough = min(self.backup, len(neighbours)) if self.backup else len(neighbours)
-        waiting = neighbours - got.keys() - self._silent
+        waited = self._waited(neighbours)
+        enough = min(self.backup, len(waited)) if self.backup else len(waited)
+        waiting = waited - got.keys() - self._silent
         deadline = self.peer.now() + self.wait_limit()
         timed_out = False
-        while waiting and len(neighbours & got.keys()) < enough:
+        while waiting and len(waited & got.keys()) < enough:
             remaining = deadline - self.peer.now()
             if remaining <= 0:
                 timed_out = True
@@ -257,7 +272,7 @@ class DPSGD(Averager):
         while (message := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
             self._file(message, r, got)
         if timed_out:
-            self._went_silent(neighbours - got.keys())
+            self._went_silent(waited - got.keys())
         values = {j: (got[j], 0) for j in neighbours if j in got}
         for j in neighbours - got.keys():
             if j in self._recent and self._fresh(self._recent[j][0], r):
@@ -270,7 +285,7 @@ class DPSGD(Averager):
             return
         sender = message.sender
         self._heard_from(sender)
-        self._newest_heard[sender] = max(self._newest_heard.get(sender, -1), message.round)
+        self.pace.arrived(sender, message.round, self.peer.now())
         if message.round > r + self._max_ahead:
             self.dropped["too_far_ahead"] += 1
             return

@@ -24,13 +24,14 @@ from gossip.algorithms.adpsgd import ADPSGD
 from gossip.algorithms.averager import Averager, IncompatibleOptionsError
 from gossip.algorithms.choco import CHOCO
 from gossip.algorithms.dpsgd import DPSGD
+from gossip.algorithms.pace import CATCH_UP, STRAGGLERS
 from gossip.algorithms.robust import RobustRule
 from gossip.algorithms.sgp import SGP
 from gossip.buffers.vector import Layout
 from gossip.compression import Codec
 from gossip.network import PeerNetwork
 from topologies import Params, Spec, Topology
-from topologies.spec import number
+from topologies.spec import choice, number
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,17 @@ class AlgorithmFamily:
 
 _COUNT = number(int, at_least=0)
 _STALENESS = {"staleness": _COUNT}
+_STRAGGLERS = choice(STRAGGLERS)
+_STRAGGLERS_DOC = (
+    "`stragglers` (`tolerate`): do not wait for a neighbour whose values arrive consistently later "
+    "than the others' (measured; mixed when in, or late within the age its lag predicts; the "
+    "report's `staleness.stragglers_passed_over`); `wait`: wait for every neighbour"
+)
+_CATCH_UP_DOC = (
+    f"`catch_up` ({CATCH_UP} with `stragglers=tolerate`, else 0 = never): a node that hears its "
+    "neighbours that many rounds ahead skips to the round after theirs (a straggler otherwise falls "
+    "ever further behind and mixes values long gone by; the report's `staleness.rounds_skipped`"
+)
 FAMILIES: dict[str, AlgorithmFamily] = {
     family.averager.name: family
     for family in (
@@ -60,6 +72,7 @@ FAMILIES: dict[str, AlgorithmFamily] = {
                     "overlap": number(int, at_least=0, at_most=1),
                     "exact_every": _COUNT,
                     "catch_up": _COUNT,
+                    "stragglers": _STRAGGLERS,
                     **_STALENESS,
                 }
             ),
@@ -69,15 +82,14 @@ FAMILIES: dict[str, AlgorithmFamily] = {
                 "round's neighbours, waits (bounded) for theirs and mixes"
             ),
             parameters=(
+                f"{_STRAGGLERS_DOC}; "
                 "`backup` (0 = all): proceed once that many neighbours' values are in (backup workers); "
                 "`overlap` (0; 1: mix the previous round's values, see [local "
                 "steps](compression.md#local-steps)); `staleness` (0); `exact_every` (0 = never): every "
                 "that many rounds, a round on the complete graph of the round's members, after which the "
                 "models equal their average when every value came (periodic global averaging, Chen et al. "
-                "2021; n - 1 models sent that round); `catch_up` (0 = never): a node that hears a "
-                "neighbour that many rounds ahead skips to the round after it (with `backup`, a straggler "
-                "otherwise falls ever further behind and mixes values long gone by; the report's "
-                "`staleness.rounds_skipped`; not with `overlap`)"
+                "2021; n - 1 models sent that round); "
+                f"{_CATCH_UP_DOC}; not with `overlap`)"
             ),
             renamed={"staleness": "max_staleness"},
         ),
@@ -111,7 +123,9 @@ FAMILIES: dict[str, AlgorithmFamily] = {
         ),
         AlgorithmFamily(
             CHOCO,
-            Params({"gamma": number(float, above=0, at_most=1)}),
+            Params(
+                {"gamma": number(float, above=0, at_most=1), "stragglers": _STRAGGLERS, "catch_up": _COUNT}
+            ),
             Topology("ring"),
             summary=(
                 "CHOCO-SGD (Koloskova et al. 2019): sends the compressed difference between the model and "
@@ -120,7 +134,7 @@ FAMILIES: dict[str, AlgorithmFamily] = {
             parameters=(
                 "`gamma`: consensus step size (1 for dense codecs; for `topk` and `randk` adapted each "
                 "round to the share of the owed difference a message carries: [the consensus step "
-                "size](compression.md#the-consensus-step-size))"
+                f"size](compression.md#the-consensus-step-size)); {_STRAGGLERS_DOC}; {_CATCH_UP_DOC})"
             ),
         ),
     )

@@ -18,7 +18,9 @@ this round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends th
 shares and waits only for those of the previous round, which have had a whole local step to
 arrive, so communication hides behind computation. An in-neighbour that has fallen behind (its
 newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
-does not need shares to come in step. A share older than ``max_staleness`` rounds is dropped and
+does not need shares to come in step. Nor is one whose shares arrive consistently later than the
+others' (``gossip.algorithms.pace``): waited for, a slow node never falls behind, and the whole
+mesh would run at its pace. A share older than ``max_staleness`` rounds is dropped and
 counted. The default bound is generous (256 rounds) because a dropped share takes its mass with
 it: push-sum is exact only while mass is conserved, and a node that keeps losing mass drives its
 weight towards zero.
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, RoundStats
+from gossip.algorithms.pace import Pace
 from gossip.buffers.pieces import Coverage, RunningMix, Segments
 from gossip.messages import PUSH, PayloadError, PushShare
 from gossip.network import Envelope, PeerNetwork
@@ -87,6 +90,7 @@ class SGP(Averager):
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
+        self.pace = Pace(tolerate=True, catch_up=0)
         peer.take_pieces(self.kinds)
 
     @property
@@ -109,14 +113,16 @@ class SGP(Averager):
             for target in row.send_to:
                 self.peer.send(target, PUSH, r, [pushed], meta)
         started = self.peer.now()
+        self.pace.sent(r, started)
         expected = self._expected(r - self.overlap)
         arrived = self._take_shares(r, expected)
         wait_s = self.peer.now() - started
         self.round += 1
+        self.pace.mixed(self.peer.now())
         return RoundStats(r, len(expected), arrived, wait_s, row.topology)
 
     def report(self) -> dict[str, float]:
-        return {**super().report(), "push_sum_weight": round(self.weight, 6)}
+        return {**super().report(), "push_sum_weight": round(self.weight, 6), **self.pace.report()}
 
     def restart(self, round: int) -> None:
         super().restart(round)
@@ -127,11 +133,12 @@ class SGP(Averager):
 
     def _expected(self, r: int) -> set[tuple[str, int]]:
         """The (sender, round) shares this node waits for: round r's in-neighbours' that are
-        keeping up (whose newest share is from round r - 1 or later)."""
+        keeping up (whose newest share is from round r - 1 or later, and not measured to lag)."""
         if r < 0:
             return set()
         row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r, self.peer.not_listening())
-        return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1}
+        slow = self.pace.stragglers(row.receive_from)
+        return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1 and j not in slow}
 
     def _take_shares(self, r: int, expected: set[tuple[str, int]]) -> int:
         """Mix in what has arrived, waiting (bounded) for the expected shares to be whole; how
@@ -164,6 +171,7 @@ class SGP(Averager):
         if message.kind not in self.kinds:
             self.rejected["unexpected_kind"] += 1
             return
+        self.pace.arrived(message.sender, message.round, self.peer.now())
         try:
             weights = self._share_weights(message)
         except PayloadError:

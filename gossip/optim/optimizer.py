@@ -405,7 +405,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._mix()
         with self._lock:
             if outer is not None:
-                outer.step(params)
+                mixed = self.last_round  # (None: an algorithm that mixes in the background)
+                outer.after_mixing(params, mixed.expected if mixed else 0, mixed.arrived if mixed else 0)
             if not self.mixes_in_place:
                 self._upload()
 
@@ -526,6 +527,10 @@ class GossipOptimizer(torch.optim.Optimizer):
         last round leaves with ``peer.leave(after_round=optimizer.round - 1)``."""
         return self.averager.round
 
+    def _outer_report(self) -> dict[str, float]:
+        """With an outer step: the rounds that mixed too little to take it (``outer.MIN_MIXED_SHARE``)."""
+        return {} if self.outer is None else {"outer_rounds_held": self.outer.rounds_held}
+
     def statistics(self) -> GossipStatistics:
         """This node's gossip so far (rounds, staleness, rejections, where the time went)."""
         averager = self.averager
@@ -533,7 +538,7 @@ class GossipOptimizer(torch.optim.Optimizer):
             round=averager.round,
             rounds_per_s=self.rounds_per_s,
             fallback_rounds=averager.fallback_rounds,
-            staleness=averager.report(),
+            staleness={**averager.report(), **self._outer_report()},
             rejected=dict(averager.rejected),
             dropped=dict(averager.dropped),
             phase_seconds={phase: round(s, 4) for phase, s in self.phases.totals.items()},

@@ -9,6 +9,14 @@ anchor by SGD with Nesterov momentum:
 Mixing the parameters (rather than the deltas alone) keeps the nodes' anchors together: where
 anchors already agree, mixed - anchor is the neighbourhood's average delta, as in DiLoCo; where
 they drift, it also pulls them back. With lr = 1 and μ = 0 this is plain local SGD with gossip.
+
+The outer momentum extrapolates: on a steady pseudo-gradient the anchor moves lr (1 + μ / (1 - μ))
+times it (7x with lr 0.7, μ 0.9), which the average of a neighbourhood's progress bears and one
+node's own does not. A round that mixed in fewer than ``MIN_MIXED_SHARE`` of the values it expected
+(its neighbours' fell behind or their link is slow) therefore takes the parameters as they are
+for the new anchor, keeping the momentum, as plain local SGD would: a node cut off from its
+neighbours trains on alone instead of overshooting on its own steps (with the outer step every
+round, such a node of a local-steps mesh behind a 10 Mbit/s link went from 0.9 to 0.097).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import numpy as np
 from gossip.buffers.vector import add_scaled, scratch_for
 
 MIN_LOCAL_STEPS = 10  # fewer inner steps a round, and the outer momentum compounds the inner one
+MIN_MIXED_SHARE = 0.5  # of the values a round expected, for it to take the outer step (see above)
 
 
 class OuterNesterov:
@@ -31,6 +40,7 @@ class OuterNesterov:
         self.anchor = params.copy()
         self.velocity = np.zeros_like(params)
         self._scratch = scratch_for(params)
+        self.rounds_held = 0  # rounds that mixed too little for the outer step (see above)
 
     def step(self, params: np.ndarray) -> None:
         """Apply the pseudo-gradient ``anchor - params`` to the anchor; write it to ``params``."""
@@ -40,6 +50,17 @@ class OuterNesterov:
         add_scaled(gradient, self.velocity, self.momentum, self._scratch)
         add_scaled(self.anchor, gradient, -self.lr, self._scratch)
         np.copyto(params, self.anchor)
+
+    def after_mixing(self, params: np.ndarray, expected: int, arrived: int) -> bool:
+        """The outer step on a round that mixed ``arrived`` of the ``expected`` neighbours'
+        values, or, below ``MIN_MIXED_SHARE`` of them, the anchor moved to ``params``; whether
+        the step was taken."""
+        if expected and arrived < MIN_MIXED_SHARE * expected:
+            self.move_anchor(params)
+            self.rounds_held += 1
+            return False
+        self.step(params)
+        return True
 
     def move_anchor(self, params: np.ndarray) -> None:
         """Take ``params`` as the anchor, keeping the momentum (after mixing moved them)."""

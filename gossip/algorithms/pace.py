@@ -1,0 +1,140 @@
+"""Which neighbours a synchronous round waits for, and when a node behind them skips ahead,
+both from what it measures: when each neighbour's values arrive and which rounds they name.
+
+A neighbour's lag for round r is how long after this node sent its own value of round r the
+neighbour's value of round r began to arrive (0 when it came first; a value of a round older
+than those kept counts from the oldest kept). Its lag is the median of its last ``LAG_SAMPLES``.
+A neighbour is a straggler when its lag is above
+
+    max(MIN_LAG_S, typical + LAG_FACTOR * max(typical, step))
+
+where ``typical`` is the lower median of the neighbours' lags and ``step`` the median time this node
+spends between two rounds (its local steps): waiting for it would cost the round more than one and a
+half of this node's steps beyond what the others cost, and more than ``MIN_LAG_S`` (a shorter wait
+is not worth a value left out, and is within a busy machine's jitter). A straggler is not waited
+for; its value is mixed when it is in (a backup worker), or late, within the age its lag predicts
+(:meth:`Pace.age_bound`). It is waited for again as soon as its lag comes down, which its values
+show whether or not they are waited for. At most the neighbours above the lower median are
+stragglers, so a round always waits for some.
+
+The straggler itself sees its neighbours ahead of it: with ``catch_up=c`` it skips to the
+round after theirs once they are c or more rounds ahead (:meth:`Pace.skip_to`), instead of
+working through rounds they have left long ago.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable
+
+LAG_SAMPLES = 8
+LAG_FACTOR = 1.5
+MIN_LAG_S = 0.01
+KEPT_ROUNDS = 64  # rounds whose sending time is kept (a lag older than them counts from the oldest)
+CATCH_UP = 2  # the rounds ahead that make a node skip when it tolerates stragglers
+STRAGGLERS = ("tolerate", "wait")  # the ``stragglers=`` choices of dpsgd and choco
+
+
+class Pace:
+    """Arrival lags and rounds heard of one node's neighbours.
+
+    Args:
+        tolerate: whether measured stragglers are left out of the wait (else: none are).
+        catch_up: skip ahead when the neighbours are this many rounds ahead; 0: never.
+    """
+
+    def __init__(self, *, tolerate: bool, catch_up: int) -> None:
+        self.tolerate = tolerate
+        self.catch_up = catch_up
+        self.newest: dict[str, int] = {}  # sender -> the newest round it sent a value of
+        self.passed_over = 0  # neighbour-rounds not waited for (stragglers)
+        self.rounds_skipped = 0
+        self._sent_at: dict[int, float] = {}  # round -> when this node sent its value (in order)
+        self._lags: dict[str, deque[float]] = {}
+        self._steps: deque[float] = deque(maxlen=LAG_SAMPLES * 4)
+        self._mixed_at: float | None = None
+
+    def sent(self, r: int, now: float) -> None:
+        """This node sent its value of round ``r`` at ``now``."""
+        if self._mixed_at is not None:
+            self._steps.append(now - self._mixed_at)
+        self._sent_at[r] = now
+        while len(self._sent_at) > KEPT_ROUNDS:
+            del self._sent_at[next(iter(self._sent_at))]
+
+    def mixed(self, now: float) -> None:
+        """This node's round ended (the training loop takes its local steps now)."""
+        self._mixed_at = now
+
+    def arrived(self, sender: str, r: int, now: float) -> None:
+        """A value of round ``r`` from ``sender`` began to arrive (each value counts once)."""
+        if r <= self.newest.get(sender, -1):
+            return
+        self.newest[sender] = r
+        if not self._sent_at or r > next(reversed(self._sent_at)):
+            lag = 0.0  # ahead of this node
+        else:
+            lag = max(0.0, now - self._sent_at.get(r, next(iter(self._sent_at.values()))))
+        self._lags.setdefault(sender, deque(maxlen=LAG_SAMPLES)).append(lag)
+
+    def lag(self, sender: str) -> float | None:
+        """The median of ``sender``'s recent lags; None before half of ``LAG_SAMPLES``."""
+        lags = self._lags.get(sender)
+        return statistics.median(lags) if lags and len(lags) >= LAG_SAMPLES // 2 else None
+
+    def stragglers(self, neighbours: Iterable[str]) -> set[str]:
+        """The neighbours not to wait for this round (none unless tolerating)."""
+        if not self.tolerate or not self._steps:
+            return set()
+        lags = {j: lag for j in neighbours if (lag := self.lag(j)) is not None}
+        if len(lags) < 2:
+            return set()
+        typical = statistics.median_low(lags.values())
+        limit = max(MIN_LAG_S, typical + LAG_FACTOR * max(typical, statistics.median(self._steps)))
+        slow = {j for j, lag in lags.items() if lag > limit}
+        self.passed_over += len(slow)
+        return slow
+
+    def age_bound(self, sender: str, now: float) -> int:
+        """The oldest (in rounds) a straggler's late value may be and still be mixed: twice the
+        rounds this node sent during the straggler's lag, and at least one."""
+        lag = self.lag(sender) or 0.0
+        rounds = sum(1 for t in self._sent_at.values() if t >= now - lag)
+        return max(1, 2 * rounds)
+
+    def skip_to(self, r: int, members: Iterable[str]) -> int | None:
+        """The round to skip to from round ``r``: the one after the median of the newest rounds
+        the members among the neighbours sent, when that is ``catch_up`` or more ahead; None to
+        go on with ``r``. The median, so one neighbour naming a round far ahead cannot throw
+        the node forward."""
+        current = set(members)
+        self.newest = {j: k for j, k in self.newest.items() if j in current}
+        if not self.catch_up or not self.newest:
+            return None
+        ahead = statistics.median_low(self.newest.values())
+        if ahead - r < self.catch_up:
+            return None
+        self.rounds_skipped += ahead + 1 - r
+        return ahead + 1
+
+    def report(self) -> dict[str, float]:
+        """The counters a node reports (those of the features in use)."""
+        figures: dict[str, float] = {}
+        if self.tolerate:
+            figures["stragglers_passed_over"] = self.passed_over
+        if self.catch_up:
+            figures["rounds_skipped"] = self.rounds_skipped
+        return figures
+
+
+def pace_option(algorithm: str, stragglers: str, catch_up: int | None, overlap: int = 0) -> Pace:
+    """The pace of a synchronous algorithm's options ``stragglers=`` and ``catch_up=``; an
+    unset ``catch_up`` is ``CATCH_UP`` for a node that tolerates stragglers (which leave it
+    behind when it is the slow one) and mixes this round's values (no ``overlap``), else 0."""
+    if stragglers not in STRAGGLERS:
+        raise ValueError(f"{algorithm} stragglers is one of {', '.join(STRAGGLERS)}, got {stragglers!r}")
+    tolerate = stragglers == "tolerate"
+    if catch_up is None:
+        catch_up = CATCH_UP if tolerate and not overlap else 0
+    return Pace(tolerate=tolerate, catch_up=catch_up)
