@@ -54,13 +54,6 @@ def started_peers(ids: list[str], expect: int | None = None) -> Iterator[list[Pe
             peer.close()
 
 
-def waiting(spec: Algorithm) -> Algorithm:
-    """``spec`` with ``stragglers=wait`` where it takes the parameter and does not name it."""
-    if "stragglers" not in spec.family.params.accepted or "stragglers" in spec.options:
-        return spec
-    return Algorithm(spec.name, tuple(sorted({**spec.options, "stragglers": "wait"}.items())))
-
-
 def average_in_threads(
     peers: Sequence[PeerNetwork],
     vectors: list[np.ndarray],
@@ -77,13 +70,11 @@ def average_in_threads(
     round durations. Each wait for a neighbour lasts up to ``timeout`` (:func:`full_waits`).
     With ``history``, node i's vector after each round is appended to ``history[i]``; with
     ``stats``, what each round of node i mixed to ``stats[i]``.
-    ``algorithm`` is every node's, or a list of each node's. Pure averaging has no steps to
-    tell a straggler by, only the jitter of a busy machine: the algorithms that tolerate
-    stragglers wait for every neighbour here unless ``algorithm`` says ``stragglers=``."""
+    ``algorithm`` is every node's, or a list of each node's."""
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
     names = [algorithm] * len(peers) if isinstance(algorithm, str) else algorithm
-    specs = [waiting(Algorithm.parse(name)) for name in names]
+    specs = [Algorithm.parse(name) for name in names]
 
     def run(i: int, averager: Averager) -> None:
         try:

@@ -24,7 +24,7 @@ renormalisation: the node just does not move towards it.
 
 Every holder must receive every q of its sender, so CHOCO runs on static undirected graphs.
 
-Stragglers (``stragglers=tolerate``, the default) as in D-PSGD (``gossip.algorithms.pace``): a
+Stragglers (with ``stragglers=tolerate``; the default waits) as in D-PSGD (``gossip.algorithms.pace``): a
 round does not wait for a neighbour whose q's arrive consistently later than the others'; its
 replica is mixed at the version it has reached, within the age its lag predicts, the pair weight
 divided by (1 + age). A node whose neighbours are ``catch_up`` (2) or more rounds ahead skips to
@@ -180,7 +180,7 @@ class CHOCO(Averager):
         *,
         codec: Codec,
         gamma: float | None = None,
-        stragglers: str = "tolerate",
+        stragglers: str = "wait",
         catch_up: int | None = None,
         **common: Unpack[AveragerOptions],
     ) -> None:

@@ -8,22 +8,24 @@ exactly. The graph may be directed or change every round (``one-peer-exponential
 ``random-matching``): each round's row comes from the topology, and from the membership of that
 round (``peer.members(round)``), so a node that left after round R is in the graph up to R.
 
-Stragglers: by default (``stragglers=tolerate``) a round does not wait for a neighbour whose values
+Stragglers: by default (``stragglers=wait``) a round waits for every neighbour, bounded by the
+round's wait limit. With ``stragglers=tolerate`` it does not wait for a neighbour whose values
 have arrived consistently later than the others' (its lag measured against this node's sends,
-``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within the
-age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead of it
-catches up (below, ``catch_up=2``). ``stragglers=wait`` waits for every neighbour, bounded by the
-round's wait limit. With ``backup=k`` a round proceeds as soon as k of the neighbours it waits for
-are in (backup workers); with ``max_staleness=s`` a neighbour whose value for this round is missing
-is mixed in with its newest value from the last s rounds, its weight divided by (1 + age) and the
-rest left with the node itself (an old value says less about where the mesh is now). With
-``catch_up=c`` a node whose neighbours are c or more rounds ahead of it (a straggler, which backup
-workers leave behind) skips to the round after theirs instead of working through the rounds they
-have left: it then mixes their newest values and sends in time for their rounds again, rather than
-mixing values long gone by (or none: past ``max_rounds_ahead`` they are dropped). The rounds it
-skips it neither sends nor mixes; the others mix what they have, so, as with backup workers and
-stragglers not waited for, each row still sums to one but the columns no longer do: the mean is no
-longer kept exactly (the fast nodes' models weigh more in it).
+``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within
+the age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead
+of it catches up (below, ``catch_up=2``). Tolerance is not the default: on a loaded machine a
+neighbour slowed by the machine's own jitter is passed over too, and the mean is no longer exact.
+With ``backup=k`` a round proceeds as soon as k of the neighbours it waits for are in (backup
+workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is mixed in
+with its newest value from the last s rounds, its weight divided by (1 + age) and the rest left
+with the node itself (an old value says less about where the mesh is now). With ``catch_up=c`` a
+node whose neighbours are c or more rounds ahead of it (a straggler, which backup workers leave
+behind) skips to the round after theirs instead of working through the rounds they have left: it
+then mixes their newest values and sends in time for their rounds again, rather than mixing values
+long gone by (or none: past ``max_rounds_ahead`` they are dropped). The rounds it skips it neither
+sends nor mixes; the others mix what they have, so, as with backup workers and stragglers not
+waited for, each row still sums to one but the columns no longer do: the mean is no longer kept
+exactly (the fast nodes' models weigh more in it).
 
 Overlap (``overlap=1``): round r sends x_i as usual but mixes the values of round r - 1, which
 were sent a whole round (a step, or H local steps) ago and are usually in by now, so the
@@ -101,7 +103,7 @@ class DPSGD(Averager):
         max_rounds_ahead: int = 64,
         robust: RobustRule | None = None,
         exact_every: int = 0,
-        stragglers: str = "tolerate",
+        stragglers: str = "wait",
         catch_up: int | None = None,
         **common: Unpack[AveragerOptions],
     ) -> None:
@@ -124,6 +126,7 @@ class DPSGD(Averager):
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
         self.pace = pace_option(self.name, stragglers, catch_up, overlap)
         self._stragglers: set[str] = set()  # this round's neighbours not waited for
+        self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
 
     def after_step(self) -> RoundStats:
         return self.average()
@@ -184,6 +187,7 @@ class DPSGD(Averager):
     def _mix_as_they_come(self, r: int, row: MixingRow) -> RoundStats:
         """Round ``r`` mixed piece by piece as the neighbours' values arrive (bounded wait)."""
         mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
+        self._mixing = {}
         neighbours = set(row.receive_from)
         waited = self._waited(neighbours)
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
@@ -231,6 +235,8 @@ class DPSGD(Averager):
         elif age and (sender not in self._stragglers or age > self.pace.age_bound(sender, self.peer.now())):
             self._heard_from(sender)  # too late: it is sending again
             self.dropped["stale"] += 1
+        elif self._mixing.setdefault(sender, message.round) != message.round:
+            self.dropped["stale"] += 1  # (a round mixes one value a neighbour: the first it took)
         else:  # this round's value, or a straggler's late one (discounted by its age)
             first = sender not in mix.senders
             if self._add(mix, sender, message, row.receive_from[sender] / (1 + age)):

@@ -52,9 +52,9 @@ _COUNT = number(int, at_least=0)
 _STALENESS = {"staleness": _COUNT}
 _STRAGGLERS = choice(STRAGGLERS)
 _STRAGGLERS_DOC = (
-    "`stragglers` (`tolerate`): do not wait for a neighbour whose values arrive consistently later "
-    "than the others' (measured; mixed when in, or late within the age its lag predicts; the "
-    "report's `staleness.stragglers_passed_over`); `wait`: wait for every neighbour"
+    "`stragglers` (`wait`): wait for every neighbour; `tolerate`: do not wait for a neighbour whose "
+    "values arrive consistently later than the others' (measured; mixed when in, or late within the "
+    "age its lag predicts; the report's `staleness.stragglers_passed_over`)"
 )
 _CATCH_UP_DOC = (
     f"`catch_up` ({CATCH_UP} with `stragglers=tolerate`, else 0 = never): a node that hears its "
