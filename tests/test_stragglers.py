@@ -17,12 +17,13 @@ pytestmark = [pytest.mark.mesh, pytest.mark.usefixtures("no_other_threads")]
 
 NODES, SLOW = 6, 2
 PACE = 0.5  # the fast nodes' rate beside a straggler, at least, against their even run's
+DURATION, COMPUTE_MS = 8, 20  # a run's seconds of training, and each step's emulated compute
 
 
-def run(tmp_path: Path, algorithm: str, *argv: str, duration: int = 8) -> dict[str, Any]:
+def run(tmp_path: Path, algorithm: str, *argv: str, duration: int = DURATION) -> dict[str, Any]:
     run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"  # each run a folder of its own
     flags = ["mesh", "--nodes", str(NODES), "--algorithm", algorithm, "--duration", str(duration)]
-    flags += ["--compute-ms", "20"]
+    flags += ["--compute-ms", str(COMPUTE_MS)]
     flags.append("--insecure")  # pace, not security, is measured: CURVE's CPU would blur it on 2 cores
     assert main([*flags, "--run-dir", str(run_dir), *argv]) == 0
     report: dict[str, Any] = json.loads((run_dir / "report.json").read_text())
@@ -70,7 +71,9 @@ def test_a_node_slowed_8x_does_not_hold_the_others_back(
     # one (fewer steps in the time), so the bar is the slow node's own.
     assert min(n["final"]["accuracy"] for n in even["nodes"]) >= 0.9
     slow = next(n for n in slowed["nodes"] if n["rank"] == SLOW)
-    assert slow["steps"] < fast_steps(slowed) / 5  # it really was slow...
+    # it really was slow (at most a step per 8 x 20 ms: loaded, the fast nodes' steps need not
+    # be 5x its own, as they were quiet)...
+    assert slow["steps"] <= DURATION / (8 * COMPUTE_MS / 1000), slow["steps"]
     if "catch_up=0" not in algorithm:  # ...yet, averaging asynchronously or catching up, it kept up
         assert slow["final"]["accuracy"] >= 0.9
     assert all("mean" in n["staleness"] for n in slowed["nodes"])
@@ -78,7 +81,7 @@ def test_a_node_slowed_8x_does_not_hold_the_others_back(
 
 def test_dpsgd_by_default_runs_at_the_pace_of_its_slowest_node(tmp_path: Path) -> None:
     slowed = run(tmp_path, "dpsgd", "--slowdown", f"{SLOW}:8")
-    assert fast_steps(slowed) < 0.25 * 8 / 0.02  # 8 s of 20 ms steps, at 1/8 of the pace or so
+    assert fast_steps(slowed) < 0.25 * DURATION / (COMPUTE_MS / 1000)  # at 1/8 of the pace or so
 
 
 def test_a_local_steps_mesh_with_one_link_10x_slower_keeps_pace_and_every_node_above_0_9(
