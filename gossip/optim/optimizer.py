@@ -332,6 +332,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         one is due; returns what the wrapped step returned."""
         if self._started is None:
             self._started = self.peer.now()
+            self._state_server.start()  # (before the first round, which may wait seconds for the others)
         if self._gradients is not None:  # one replica: every rank takes the mean gradient
             if closure is not None:
                 with torch.enable_grad():
@@ -369,7 +370,6 @@ class GossipOptimizer(torch.optim.Optimizer):
                 self.period_agreement.observe(round_s=self.peer.now() - round_started)
             if self.codec_agreement is not None:
                 self.codec_agreement.observe(self.averager.round - 1, self.phases.last)
-        self._state_server.start()  # (from the first step on; then it does nothing)
         self._last_step_end = self.peer.now()
         return loss
 
