@@ -7,10 +7,13 @@ counters (steps, round, rounds_per_s) are what the sources agree on
 (``gossip.state.manifest.agreed_counters``), never what one says: the fetch waits for the
 manifests of more than half of the sources not caught lying (a bad manifest or chunk), so a
 source that answers first and fast cannot set the joiner's round alone while honest ones are
-slower; a source whose round is far from the agreed one is named in ``outvoted``. Chunks still
-owed by a lane that has sent nothing for ``retry_s`` are asked of the lanes that move (or of it
-again); a lane silent for ``patience_s``, or whose answers are bad, is dropped. The transfer
-fails only when no lane is left, or after ``timeout``.
+slower. Until those manifests are in, a source is asked for at most its share of the chunks
+(the state's count over the quorum), so they spread over the sources instead of all going to
+the first to answer, while the first ones flow at once. A source whose round is far from the
+agreed one is named in ``outvoted``. Chunks still owed by a lane that has sent nothing for
+``retry_s`` are asked of the lanes that move (or of it again); a lane silent for
+``patience_s``, or whose answers are bad, is dropped. The transfer fails only when no lane is
+left, or after ``timeout``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class TransferStats:
 
     bytes: int = 0
     seconds: float = 0.0
+    sources: list[str] = field(default_factory=list)  # the members asked
+    manifest_s: dict[str, float] = field(default_factory=dict)  # when each one's manifest came
     chunks: dict[str, int] = field(default_factory=dict)  # received from each source
     reasked: int = 0  # chunks asked again after their lane stalled
     dropped_sources: dict[str, str] = field(default_factory=dict)  # source -> why
@@ -79,6 +84,8 @@ class TransferStats:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 3),
             "mb_per_s": round(self.mb_per_s, 1),
+            "sources": list(self.sources),
+            "manifest_s": dict(self.manifest_s),
             "chunks": dict(self.chunks),
             "reasked": self.reasked,
             "dropped_sources": dict(self.dropped_sources),
@@ -158,11 +165,11 @@ class _Fetch:
         self.assembly: Assembly | None = None
         self.reference: str | None = None  # the source whose manifest the state follows
         self.missing: deque[int] = deque()  # chunks no lane owes
-        self.stats = TransferStats()
+        self.started = now
+        self.stats = TransferStats(sources=list(self.lanes))
 
     def run(self, timeout: float, cancelled: Callable[[], bool]) -> tuple[Snapshot, TransferStats]:
-        started = time.monotonic()
-        deadline = started + timeout
+        deadline = self.started + timeout
         while self.assembly is None or not self.assembly.complete or len(self._stated()) < self._quorum:
             now = time.monotonic()
             if cancelled():
@@ -194,7 +201,7 @@ class _Fetch:
             if off:
                 self.stats.outvoted[source] = off
         snapshot = Snapshot(snapshot.tensors, counters)
-        self.stats.bytes, self.stats.seconds = self.assembly.manifest.total, time.monotonic() - started
+        self.stats.bytes, self.stats.seconds = self.assembly.manifest.total, time.monotonic() - self.started
         return snapshot, self.stats
 
     @property
@@ -223,11 +230,16 @@ class _Fetch:
                 self._give_back(lane)
 
     def _ask_for_chunks(self) -> None:
+        # until the quorum has stated its counters, a lane takes at most its share of the chunks
+        share = None
+        if self.assembly is not None and len(self._stated()) < self._quorum:
+            share = math.ceil(self.assembly.count / self._quorum)
         for lane in sorted(self.lanes.values(), key=lambda lane: lane.stalls):
             free = self.window - len(lane.owed)
-            if lane.manifest is None or not self.missing or free < max(1, self.window // 4):
+            room = free if share is None else share - lane.received - len(lane.owed)
+            if lane.manifest is None or not self.missing or free < max(1, self.window // 4) or room < 1:
                 continue  # (asks in batches: a request per few chunks, not per chunk)
-            chunks = self._take_missing(free)
+            chunks = self._take_missing(min(free, room))
             if not chunks:
                 return
             if not lane.owed:
@@ -281,6 +293,8 @@ class _Fetch:
             self.missing.extend(range(self.assembly.count))
         elif manifest.entries != self.assembly.manifest.entries:
             raise ValueError(f"its layout differs from {self.reference}'s")
+        if lane.manifest is None:
+            self.stats.manifest_s[lane.source] = round(time.monotonic() - self.started, 3)
         lane.manifest, lane.manifest_due = lane.manifest or manifest, math.inf
 
     def _take_chunk(self, lane: _Lane, index: int, message: Envelope) -> None:
