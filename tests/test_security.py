@@ -209,9 +209,14 @@ def _average_under_attack(tmp_path: Path, *, secure: bool, attack: bool) -> str:
         if not secure:  # (what a transport sends before its connection is up is dropped)
             connect(intruder, peers[0].address, peers[0].transport)
         key = NodeKeys.load(tmp_path / "keys" / "a", "a").public.decode() if secure else None
+        transport, heard = peers[0].transport, peers[0].transport.stats.messages_received
         for r in range(10) if attack else ():
             intruder.send(peers[0].address, "params", r, [np.full(1000, 1e6, np.float32)], key=key)
-        time.sleep(1.0)  # what the intruder sent has arrived, or been refused
+        if attack and secure:  # its handshake was refused: nothing it sent arrives
+            authenticator = transport._authenticator
+            assert authenticator is not None and wait_until(lambda: authenticator.refused >= 1)
+        elif attack:  # what it sent has arrived, before the averaging starts
+            assert wait_until(lambda: transport.stats.messages_received >= heard + 10)
         vectors = [np.arange(1000, dtype=np.float32) * (i + 1) for i in range(2)]
         average_in_threads(peers, vectors, topology="ring", rounds=10)
         return hashlib.sha256(vectors[0].tobytes()).hexdigest()
