@@ -6,7 +6,7 @@ from gossip.algorithms.adpsgd import ADPSGD
 from gossip.algorithms.averager import Averager, IncompatibleOptionsError, Needs, RoundStats
 from gossip.algorithms.choco import CHOCO
 from gossip.algorithms.dpsgd import DPSGD
-from gossip.algorithms.registry import ALGORITHMS, Algorithm
+from gossip.algorithms.registry import ALGORITHMS, Algorithm, choose_algorithm
 from gossip.algorithms.robust import RobustRule
 from gossip.algorithms.sgp import SGP
 from gossip.compression import CODECS, Codec, CodecError
@@ -57,5 +57,6 @@ __all__ = [
     "PeerNetwork",
     "RobustRule",
     "RoundStats",
+    "choose_algorithm",
     "consensus_distance",
 ]

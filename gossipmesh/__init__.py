@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         IncompatibleOptionsError,
         PeerNetwork,
         RobustRule,
+        choose_algorithm,
         consensus_distance,
     )
     from gossip.buffers.flat import host_vector
@@ -57,6 +58,7 @@ _HOME = {
             "IncompatibleOptionsError",
             "PeerNetwork",
             "RobustRule",
+            "choose_algorithm",
             "consensus_distance",
         ),
         "gossip",
@@ -104,6 +106,7 @@ __all__ = [
     "Task",
     "TaskRef",
     "Topology",
+    "choose_algorithm",
     "connect",
     "consensus_distance",
     "host_vector",

@@ -54,6 +54,41 @@ def test_defaults_are_typed_values() -> None:
     assert config.steps is None and config.bootstrap == ()  # a daemon runs until stopped
 
 
+@pytest.mark.parametrize(
+    ("argv", "chosen"),
+    [
+        ([], "adpsgd"),  # never waits: the fastest whole-model arm, even and with a straggler
+        (["--mix-momentum"], "adpsgd"),
+        (["--topology", "one-peer-exponential"], "sgp"),  # time-varying: not adpsgd's
+        (["--topology", "directed-exponential"], "sgp"),
+        (["--robust", "clip"], "dpsgd"),
+        (["--compression", "int8"], "choco"),
+        (["--compression", "auto"], "choco"),
+        (["--local-steps", "10"], "dpsgd"),  # an outer step over D-PSGD's rounds
+        (["--average-every", "auto"], "dpsgd"),  # measures rounds, which adpsgd and sgp hide
+        (["--average-every", "4", "--compression", "int8"], "choco"),
+    ],
+)
+def test_algorithm_auto_chooses_the_first_that_works_with_the_other_options(
+    argv: list[str], chosen: str
+) -> None:
+    config = _node(["--algorithm", "auto", *argv])
+    assert config.algorithm == Algorithm(chosen)  # (the config holds the one chosen, as reports show)
+    assert summary(config)["algorithm"] == chosen
+
+
+def test_algorithm_auto_reads_the_same_from_a_file_and_in_the_simulator() -> None:
+    mesh = load(MeshConfig, {"algorithm": "auto", "topology": "directed-exponential"})
+    assert mesh.algorithm == Algorithm("sgp")
+    simulated = parse_config(["simulate", "--algorithm", "auto", "--robust", "clip"])
+    assert simulated.algorithm == Algorithm("dpsgd")
+
+
+def test_algorithm_auto_that_finds_none_names_why_each_was_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--algorithm auto found none .*adpsgd: .*choco: "):
+        _node(["--algorithm", "auto", "--robust", "clip", "--compression", "int8"])
+
+
 def test_values_are_parsed_into_their_objects() -> None:
     config = _node(["--algorithm", "dpsgd:backup=1", "--topology", "random-regular:degree=4",
                     "--robust", "clip:b=2", "--partition", "dirichlet:0.5"])  # fmt: skip

@@ -262,6 +262,37 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         )
 
 
+AUTO = "auto"  # an option the mesh chooses: the algorithm here, average_every in the optimizer
+# ``auto``'s order of preference, from docs/algorithms.md#which-algorithm (8 nodes, one 4x
+# slower): AD-PSGD never waits and was the fastest whole-model arm, even and with a straggler;
+# SGP next, for the graphs AD-PSGD does not take (directed, time-varying); D-PSGD for robust
+# mixing; CHOCO, the one that compresses. With an outer step or periodic averaging the rounds
+# are D-PSGD's (the measured best, local steps over D-PSGD; AD-PSGD's background exchanges do
+# not come every H steps).
+PREFERENCE = ("adpsgd", "sgp", "dpsgd", "choco")
+PERIODIC_PREFERENCE = ("dpsgd", "choco", "sgp", "adpsgd")
+
+
+def choose_algorithm(**options: Any) -> Algorithm:
+    """``auto``: the first algorithm of the preference above (each with its defaults) that
+    works with ``options`` (:meth:`Algorithm.check`'s); registered ones come last.
+    Raises IncompatibleOptionsError naming why none does."""
+    periodic = options.get("outer_step") or options.get("average_every", 1) != 1
+    order = dict.fromkeys([*(PERIODIC_PREFERENCE if periodic else PREFERENCE), *FAMILIES])
+    refusals = []
+    for name in order:
+        if name not in FAMILIES:
+            continue
+        candidate = Algorithm.parse(name)
+        try:
+            candidate.check(**options)
+        except IncompatibleOptionsError as exc:
+            refusals.append(f"{name}: {exc}")
+            continue
+        return candidate
+    raise IncompatibleOptionsError(f"algorithm={AUTO} found none that works here ({'; '.join(refusals)})")
+
+
 def _having(need: str) -> str:
     """The algorithms whose class declares ``need``, as ``a or b``."""
     return " or ".join(name for name, family in FAMILIES.items() if getattr(family.averager.needs, need))

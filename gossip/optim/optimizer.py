@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gossip.algorithms.averager import RoundStats
-from gossip.algorithms.registry import Algorithm
+from gossip.algorithms.registry import AUTO, Algorithm
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.arrays import from_torch, shares_memory
 from gossip.buffers.flat import FlatParameters
@@ -53,7 +53,6 @@ from gossip.tuning.auto_period import PeriodAgreement
 from topologies import Topology
 
 DPSGD_ALGORITHM = Algorithm("dpsgd")
-AUTO = "auto"  # average_every chosen by the mesh (gossip.tuning.auto_period)
 GOSSIP_STATE = "gossip"  # the key of the gossip state in GossipOptimizer.state_dict()
 JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of it
 # the fastest a mesh runs rounds, as a joiner believes a state's rounds_per_s: a round is a

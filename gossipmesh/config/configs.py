@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from gossip import Algorithm, Codec, IncompatibleOptionsError, PeerNetwork, RobustRule
+from gossip.algorithms.registry import AUTO, choose_algorithm
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -133,20 +134,23 @@ class Averaging(Options):
             "--local-steps",
             "give --local-steps (with the outer step) or --average-every (without), not both",
         )
-        if isinstance(self.algorithm, Algorithm):  # (the simulator's allreduce is a time model)
-            try:
-                self.algorithm.check(
-                    topology=self.topology,
-                    codec=self.compression,
-                    robust=self.robust,
-                    average_every=self.local_steps or self.average_every,
-                    outer_step=self.local_steps is not None,
-                    quasi_global_momentum=self.quasi_global_momentum,
-                    mix_momentum=self.mix_momentum,
-                    local_ranks=getattr(self, "local_ranks", 1) > 1,
-                )
-            except IncompatibleOptionsError as exc:
-                raise ConfigError(self.in_flags(str(exc))) from None
+        options: dict[str, Any] = {
+            "topology": self.topology,
+            "codec": self.compression,
+            "robust": self.robust,
+            "average_every": self.local_steps or self.average_every,
+            "outer_step": self.local_steps is not None,
+            "quasi_global_momentum": self.quasi_global_momentum,
+            "mix_momentum": self.mix_momentum,
+            "local_ranks": getattr(self, "local_ranks", 1) > 1,
+        }
+        try:
+            if str(self.algorithm) == AUTO:  # (parsed as text: from here on, the one chosen)
+                object.__setattr__(self, "algorithm", choose_algorithm(**options))
+            if isinstance(self.algorithm, Algorithm):  # (the simulator's allreduce is a time model)
+                self.algorithm.check(**options)
+        except IncompatibleOptionsError as exc:
+            raise ConfigError(self.in_flags(str(exc))) from None
 
     def in_flags(self, message: str) -> str:
         """A message of the library in these options' words (see :func:`in_flags`)."""

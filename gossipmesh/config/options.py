@@ -134,8 +134,12 @@ TOPOLOGY = Option(
     + ", ".join(NAMES),
 )
 ALGORITHM = Option(
-    Algorithm.parse,
-    lambda: f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}",
+    values.algorithm,
+    lambda: (
+        f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}; or auto: the "
+        "first of adpsgd, sgp, dpsgd, choco that works with the other options (dpsgd first with "
+        "--local-steps or --average-every)"
+    ),
     Algorithm("dpsgd"),
 )
 COMPRESSION = Option(

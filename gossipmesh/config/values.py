@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from gossip import Algorithm, RobustRule
+from gossip.algorithms.registry import AUTO
 from gossipmesh.sim.allreduce import RingAllreduce
 from gossipmesh.sim.links import Partition
 from gossipmesh.sim.scenario import Stragglers
@@ -91,14 +92,25 @@ def robust_rule(text: str) -> RobustRule | None:
     return None if text.strip() == "none" else RobustRule.parse(text)
 
 
-def simulated_algorithm(text: str) -> Algorithm | RingAllreduce:
-    """A gossip algorithm, or ``allreduce``: the simulator's ring-allreduce reference."""
-    if text.strip() == str(RingAllreduce()):
-        return RingAllreduce()
+def algorithm(text: str) -> Algorithm | str:
+    """An algorithm, or ``auto``: chosen once the other options are known (see
+    ``gossip.algorithms.registry.choose_algorithm``; ``Averaging`` resolves it)."""
+    if text.strip() == AUTO:
+        return AUTO
     try:
         return Algorithm.parse(text)
     except SpecError as exc:
-        raise SpecError(f"{exc}; or allreduce") from None
+        raise SpecError(f"{exc}; or {AUTO}") from None
+
+
+def simulated_algorithm(text: str) -> Algorithm | RingAllreduce | str:
+    """A gossip algorithm, ``auto``, or ``allreduce``: the simulator's ring-allreduce reference."""
+    if text.strip() == str(RingAllreduce()):
+        return RingAllreduce()
+    try:
+        return algorithm(text)
+    except SpecError as exc:
+        raise SpecError(f"{exc} or allreduce") from None
 
 
 def key_value(text: str) -> tuple[str, str]:
