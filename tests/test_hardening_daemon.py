@@ -130,7 +130,11 @@ def _run_in_thread(config: NodeConfig, stop: threading.Event) -> dict[str, Any]:
 def test_a_daemon_whose_network_thread_dies_stops_and_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Supervision: the daemon does not train on alone; it fails (exit status 1 from main)."""
+    """Supervision: the daemon does not train on alone; it fails (exit status 1 from main),
+    once: its background threads (the state server's) end quietly instead of each raising the
+    network's failure again."""
+    unhandled: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: unhandled.append(args.exc_value))
     peers: list[Peer] = []
     make_peer = lifecycle.make_peer
     monkeypatch.setattr(lifecycle, "make_peer", lambda *a, **k: peers.append(make_peer(*a, **k)) or peers[-1])
@@ -150,6 +154,7 @@ def test_a_daemon_whose_network_thread_dies_stops_and_fails(
     assert isinstance(outcome.get("error"), TransportError), outcome
     assert "network thread" in str(outcome["error"])
     assert json.loads(report.read_text())["nodes"][0]["status"] == "failed"
+    assert not unhandled, unhandled
 
 
 def test_a_member_still_starting_is_no_state_source() -> None:
