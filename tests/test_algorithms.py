@@ -253,7 +253,7 @@ def test_algorithm_names_and_parameters() -> None:
     with pytest.raises(SpecError, match="unknown algorithm 'allreduce'; choose one of dpsgd, sgp, adpsgd"):
         Algorithm.parse("allreduce")
     with pytest.raises(
-        SpecError, match=re.escape("sgp: unknown parameter 'backup'; it takes: overlap, staleness")
+        SpecError, match=re.escape("sgp: unknown parameter 'backup'; it takes: overlap, stragglers, staleness")
     ):
         Algorithm.parse("sgp:backup=1")
     with pytest.raises(SpecError, match=re.escape("dpsgd: backup: must be >= 0, got -1")):

@@ -33,7 +33,7 @@ LAG_FACTOR = 1.5
 MIN_LAG_S = 0.01
 KEPT_ROUNDS = 64  # rounds whose sending time is kept (a lag older than them counts from the oldest)
 CATCH_UP = 2  # the rounds ahead that make a node skip when it tolerates stragglers
-STRAGGLERS = ("tolerate", "wait")  # the ``stragglers=`` choices of dpsgd and choco
+STRAGGLERS = ("tolerate", "wait")  # the ``stragglers=`` choices of dpsgd, choco and sgp
 
 
 class Pace:

@@ -95,7 +95,7 @@ FAMILIES: dict[str, AlgorithmFamily] = {
         ),
         AlgorithmFamily(
             SGP,
-            Params({"overlap": _COUNT, **_STALENESS}),
+            Params({"overlap": _COUNT, "stragglers": _STRAGGLERS, **_STALENESS}),
             Topology("one-peer-exponential"),
             summary=(
                 "Stochastic Gradient Push (Assran et al. 2019): push-sum of (x, w) on a directed, "
@@ -104,7 +104,9 @@ FAMILIES: dict[str, AlgorithmFamily] = {
             ),
             parameters=(
                 "`overlap` (1): wait for the shares of `overlap` rounds ago, so communication hides "
-                "behind the next step; `staleness` (256)"
+                "behind the next step; `stragglers` (`tolerate`): do not wait for an in-neighbour whose "
+                "shares arrive consistently later than the others' (push-sum mixes them whenever they "
+                "come); `wait`: wait for every one, as a synchronous mesh does; `staleness` (256)"
             ),
             renamed={"staleness": "max_staleness"},
             mixes_late=True,

@@ -18,12 +18,12 @@ this round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends th
 shares and waits only for those of the previous round, which have had a whole local step to
 arrive, so communication hides behind computation. An in-neighbour that has fallen behind (its
 newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
-does not need shares to come in step. Nor is one whose shares arrive consistently later than the
-others' (``gossip.algorithms.pace``): waited for, a slow node never falls behind, and the whole
-mesh would run at its pace. A share older than ``max_staleness`` rounds is dropped and
-counted. The default bound is generous (256 rounds) because a dropped share takes its mass with
-it: push-sum is exact only while mass is conserved, and a node that keeps losing mass drives its
-weight towards zero.
+does not need shares to come in step. Nor, unless ``stragglers=wait``, is one whose shares
+arrive consistently later than the others' (``gossip.algorithms.pace``): waited for, a slow
+node never falls behind, and the whole mesh would run at its pace. A share older than
+``max_staleness`` rounds is dropped and counted. The default bound is generous (256 rounds)
+because a dropped share takes its mass with it: push-sum is exact only while mass is
+conserved, and a node that keeps losing mass drives its weight towards zero.
 
 Shares are mixed piece by piece as they arrive (``gossip.buffers.pieces``). A share from one of
 the next ``HOLD_ROUNDS`` rounds waits for its round, so nodes in step mix exactly as the graph
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, RoundStats
-from gossip.algorithms.pace import Pace
+from gossip.algorithms.pace import pace_option
 from gossip.buffers.pieces import Coverage, RunningMix, Segments
 from gossip.messages import PUSH, PayloadError, PushShare
 from gossip.network import Envelope, PeerNetwork
@@ -69,7 +69,9 @@ JOIN_TOLERANCE = 1e-6
 
 
 class SGP(Averager):
-    """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus ``overlap`` (see above)."""
+    """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus ``overlap`` and
+    ``stragglers`` (``tolerate``, the default: see above; ``wait``: wait, bounded, for every
+    in-neighbour's share, as the rounds of a synchronous mesh do)."""
 
     name: ClassVar[str] = "sgp"
     kinds: ClassVar[tuple[str, ...]] = (PUSH,)
@@ -81,6 +83,7 @@ class SGP(Averager):
         *,
         max_staleness: int = 256,
         overlap: int = 1,
+        stragglers: str = "tolerate",
         **common: Unpack[AveragerOptions],
     ) -> None:
         super().__init__(peer, params, max_staleness=max_staleness, **common)
@@ -90,7 +93,7 @@ class SGP(Averager):
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
-        self.pace = Pace(tolerate=True, catch_up=0)
+        self.pace = pace_option(self.name, stragglers, catch_up=0, overlap=overlap)
         peer.take_pieces(self.kinds)
 
     @property
