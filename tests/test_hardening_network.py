@@ -392,8 +392,7 @@ def test_a_table_larger_than_one_message_syncs() -> None:
         for part in (records[:300], records[300:]):
             feeder.send(old.address, "gossip", 0, meta={"updates": part, "reply_to": feeder.address})
         table = old.membership._table.members
-        # (it failed twice beside CPU hogs, never alone: what the old node held, dropped and
-        # rejected then says where the made-up members went)
+        # (should it not: what the old node holds, dropped and rejected says where they went)
         assert wait_until(lambda: len(table) >= 600), (
             len(table),
             Counter(member.status.value for member in table.values()),

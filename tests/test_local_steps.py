@@ -152,11 +152,10 @@ def test_auto_refuses_algorithms_that_hide_a_rounds_cost() -> None:
 def _codecs(bytes_per_s: float) -> tuple[list[list[tuple[int, str]]], float]:
     """Each node's codec decisions (first round of an epoch, codec) for CHOCO with
     ``--compression auto``, a 4096-element model, 200 ms steps and every send taking its bytes
-    over ``bytes_per_s``, and the mesh's distance from the optimum. (With 50 ms steps float32
-    had to move in 3 ms at int8's measure: the scheduling delays of a loaded machine, which the
-    node cannot tell from link time, were that large and it chose bfloat16 on a free link.)
-    Every update sent is mixed in (none refused: the agreement's meta must not overwrite an
-    update's codec name)."""
+    over ``bytes_per_s``, and the mesh's distance from the optimum. (At 200 ms a step float32
+    fits a free link if int8 moves in 12.7 ms: more than a loaded machine's scheduling delays,
+    which the node cannot tell from link time.) Every update sent is mixed in (none refused:
+    the agreement's meta must not overwrite an update's codec name)."""
     optimizers, error = _mesh(
         lambda peer: SlowLink(peer, bytes_per_s=bytes_per_s),
         dim=4096,
