@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import threading
 import time
@@ -9,6 +10,16 @@ from multiprocessing.context import SpawnContext
 
 import pytest
 from zmq.utils.garbage import GarbageCollectorThread
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logging() -> Iterator[None]:
+    """A node run in-process sends the root logger to the stderr pytest captured for that test;
+    that stream is closed afterwards, so the handlers are put back for the threads that log on."""
+    handlers, level = logging.root.handlers[:], logging.root.level
+    yield
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
 
 
 @pytest.fixture

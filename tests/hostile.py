@@ -103,10 +103,11 @@ def record_of(peer: Peer, **changes: object) -> list[object]:
 
 
 def fake_members(count: int, prefix: str = "fake", keys: Sequence[str] = ()) -> list[list[object]]:
-    """Records of ``count`` live members that do not exist (addresses nobody listens on), the
-    i-th with ``keys[i]`` (no key if ``keys`` is empty)."""
+    """Records of ``count`` live members that do not exist, the i-th with ``keys[i]`` (no key if
+    ``keys`` is empty). Their addresses are on 127.0.0.254, where no test binds: on 127.0.0.1 a
+    made-up port could be a real node's, whose table then refuses the record as a conflict."""
     return [
-        Member(f"{prefix}-{i}", f"tcp://127.0.0.1:{10_000 + i}", i + 1, 0, Status.ALIVE, key=key).to_wire()
+        Member(f"{prefix}-{i}", f"tcp://127.0.0.254:{10_000 + i}", i + 1, 0, Status.ALIVE, key=key).to_wire()
         for i, key in enumerate(keys or [""] * count)
     ]
 

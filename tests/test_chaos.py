@@ -55,11 +55,17 @@ def accuracy_at(timeline: list[dict[str, Any]], t: float) -> float:
 
 
 def test_two_nodes_killed_mid_training(tmp_path: Path) -> None:
-    report = run(tmp_path, "--nodes", "8", "--steps", "500", "--kill", "2@5", "--kill", "6@5")
+    """Node 2's kill is due before any node can train: the schedule waits until every node has
+    made its first step, then runs shifted by that delay (node 6 dies 5 s after node 2)."""
+    report = run(tmp_path, "--nodes", "8", "--steps", "500", "--kill", "2@0.01", "--kill", "6@5")
     nodes = nodes_by_id(report)
     survivors = [n for n in nodes if n not in ("node-2", "node-6")]
-    for victim in ("node-2", "node-6"):
-        assert nodes[victim]["status"] == "killed" and nodes[victim]["t_killed"] == pytest.approx(5, abs=0.2)
+    delay = report["chaos_delay_s"]
+    assert delay > 0
+    for victim, at in (("node-2", 0.01), ("node-6", 5)):
+        assert nodes[victim]["status"] == "killed"
+        assert nodes[victim]["t_killed"] == pytest.approx(at + delay, abs=0.2)
+        assert nodes[victim]["t_first_step"] <= nodes[victim]["t_killed"]
         dead = {e["observer"]: e["t"] - nodes[victim]["t_killed"] for e in events(report, "dead", victim)}
         assert set(dead) == set(survivors)  # every survivor declared it dead...
         assert max(dead.values()) < DETECTION_TARGET_S, dead  # ...within the target

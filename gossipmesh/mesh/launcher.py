@@ -71,6 +71,8 @@ class Mesh:
         self.origin = time.time()
         self.nodes: list[NodeProcess] = []
         self.chaos: list[dict[str, Any]] = []  # what was done, on the mesh clock
+        self.chaos_delay_s = 0.0  # how late the fault schedule runs: see :meth:`schedule_delay`
+        self._schedule_started = self._schedule_held = False
         self._selector = selectors.DefaultSelector()
         self._slowdown = config.by_rank("slowdown")
         self._batch = config.by_rank("node_batch")
@@ -121,6 +123,24 @@ class Mesh:
         self.trusted.mkdir(exist_ok=True)
         shutil.copy(public, self.trusted)
         return ["--keys", str(keys), "--trusted", str(self.trusted)]
+
+    def training(self) -> bool:
+        """Every node has made its first step (or exited)."""
+        return all(n.timeline or n.poll() is not None for n in self.nodes)
+
+    def schedule_delay(self, first_at: float) -> float | None:
+        """How late the fault schedule runs, or None while it must wait: its first fault is due
+        but not every node trains yet (a fault during startup would test the startup, not the
+        training). A schedule that waited shifts whole, keeping the faults' spacing."""
+        if self._schedule_started or self.clock() < first_at:
+            return self.chaos_delay_s
+        if not self.training():
+            self._schedule_held = True
+            return None
+        if self._schedule_held:
+            self.chaos_delay_s = round(self.clock() - first_at, 3)
+        self._schedule_started = True
+        return self.chaos_delay_s
 
     def live(self) -> list[NodeProcess]:
         return [n for n in self.nodes if n.poll() is None and n.t_killed is None]
@@ -205,6 +225,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     report["average_model_timeline"] = live.timeline if live is not None else []
     report["distance_from_average"] = distances_from(final, np.mean(finals, axis=0)) if finals else {}
     report["chaos_events"] = mesh.chaos
+    report["chaos_delay_s"] = mesh.chaos_delay_s
     report["links"] = _links(config, mesh.nodes, wire)
     write_json(report_path, report)
     _print_summary(stream, mesh.nodes, results, report, report_path)
@@ -226,7 +247,8 @@ def _watch(
     kill_at = None
     apart: dict[str, float] = {}  # each node's distance from the average model, as last estimated
     while pending or mesh.live():
-        while pending and pending[0].at <= mesh.clock() and not stop.is_set():
+        delay = mesh.schedule_delay(schedule[0].at) if pending else None
+        while delay is not None and pending and pending[0].at + delay <= mesh.clock() and not stop.is_set():
             mesh.act(pending.pop(0))
         if stop.is_set() and kill_at is None:
             pending.clear()
@@ -243,7 +265,8 @@ def _watch(
             header += f"   average model: accuracy {estimate['accuracy']:.3f} (at {estimate['t']:.1f} s)"
             apart = estimate["distance_from_average"]
         table.update([{**n.row, "from_average": apart.get(n.id)} for n in mesh.nodes], header=header)
-        wait = min(_REFRESH_S, max(0.0, pending[0].at - mesh.clock())) if pending else _REFRESH_S
+        due = pending[0].at + delay - mesh.clock() if pending and delay is not None else _REFRESH_S
+        wait = min(_REFRESH_S, max(0.0, due))
         mesh.read_progress(wait)
     mesh.drain()
     rows = [{**n.row, "from_average": apart.get(n.id)} for n in mesh.nodes]
