@@ -26,9 +26,11 @@ demo: venv
 	$(BIN)/gossipmesh mesh
 
 # Two workers: mesh tests wait (pauses, partitions, fixed run times) as much as they compute; on
-# the 2-core CI kind the suite took 668 s against 959 s on one (pytest alone runs on one)
+# the 2-core CI kind the suite took 668 s against 959 s on one (pytest alone runs on one). Three
+# took as long: the tests are CPU-bound then. A worker that runs out of tests takes some of the
+# other's (worksteal), so neither ends minutes after the other.
 test: venv lint
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 lint: venv
 	$(BIN)/ruff check .

@@ -116,13 +116,14 @@ def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_p
 
 
 @pytest.mark.slow
-def test_no_false_deaths_over_a_minute_of_repeated_pauses(tmp_path: Path) -> None:
-    """22 pauses of 0.8 s, one every 2.5 s: a third of the time the node is silent."""
-    pauses = [arg for t in np.arange(2.5, 57.5, 2.5) for arg in ("--pause", f"3@{t:g}:0.8")]
-    report = run(tmp_path, "--nodes", "8", "--duration", "60", *pauses)
+def test_no_false_deaths_over_half_a_minute_of_repeated_pauses(tmp_path: Path) -> None:
+    """8 pauses of 0.8 s, one every 2.5 s: a third of the time the node is silent. The last is
+    due 10 s before the end, which a schedule held by a slow start (chaos_delay_s) still meets."""
+    pauses = [arg for t in np.arange(2.5, 22.5, 2.5) for arg in ("--pause", f"3@{t:g}:0.8")]
+    report = run(tmp_path, "--nodes", "8", "--duration", "30", *pauses)
     assert not [e for e in report["membership_events"] if e["event"] == "dead"]
     assert all(n["status"] == "finished" for n in report["nodes"])
-    assert len([c for c in report["chaos_events"] if c["action"] == "pause"]) == 22
+    assert len([c for c in report["chaos_events"] if c["action"] == "pause"]) == 8
 
 
 def test_a_joiner_takes_a_17m_parameter_state_from_several_members(
@@ -133,7 +134,7 @@ def test_a_joiner_takes_a_17m_parameter_state_from_several_members(
     the full send queue, and the joiner gave up after 60 s)."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the task module is beside this test
     report = run(
-        tmp_path, "--nodes", "3", "--duration", "30", "--join", "1@3", "--task", "wide_digits:make_task"
+        tmp_path, "--nodes", "3", "--duration", "20", "--join", "1@3", "--task", "wide_digits:make_task"
     )
     nodes = nodes_by_id(report)
     joiner = nodes["node-3"]
