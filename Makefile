@@ -27,8 +27,8 @@ demo: venv
 
 # Two workers: mesh tests wait (pauses, partitions, fixed run times) as much as they compute; on
 # the 2-core CI kind the suite took 668 s against 959 s on one (pytest alone runs on one). Three
-# took as long (468 s against 456): the tests are CPU-bound then. The meshes run first (conftest),
-# both workers taking from the front of one queue, so the short tests fill the end.
+# took as long (468 s against 456): the tests are CPU-bound then. Tests run in the files' order,
+# which spreads the meshes between the short tests (run first, the meshes all fell to one worker).
 test: venv lint
 	$(BIN)/python -m pytest -n 2
 

@@ -12,12 +12,6 @@ import pytest
 from zmq.utils.garbage import GarbageCollectorThread
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Multi-process meshes first: they take most of the suite's time, and the short tests left
-    for last keep two workers busy to the end (a mesh test begun last would run on alone)."""
-    items.sort(key=lambda item: item.get_closest_marker("mesh") is None)
-
-
 @pytest.fixture(autouse=True)
 def restore_root_logging() -> Iterator[None]:
     """A node run in-process sends the root logger to the stderr pytest captured for that test;
