@@ -44,12 +44,22 @@ def insider_among(tmp_path: Path) -> Iterator[tuple[Peer, Peer, Transport, str]]
 
 
 def _gossip(insider: Transport, to: Peer, key: str, updates: list[list[object]]) -> None:
-    """Send member updates to ``to`` and wait until it has handled them (its network thread has
-    begun on the empty message sent after them)."""
-    heard = to.stats.messages_received
+    """Send member updates to ``to`` and wait until it has handled them: its network thread has
+    begun on the empty message sent after them (a connection's messages are taken in order).
+    Each message the insider sent took the next sequence number, so the empty one's is the
+    count sent. (The count ``to`` received would include the other members' messages.)"""
+    sent = insider.stats.messages_sent
     for batch in (updates, []):
         insider.send(to.address, "gossip", 0, meta={"updates": batch, "reply_to": insider.address}, key=key)
-    assert wait_until(lambda: to.stats.messages_received >= heard + 2)
+    assert wait_until(lambda: insider.stats.messages_sent >= sent + 2)
+    last = insider.stats.messages_sent
+    assert wait_until(lambda: _begun_on(to, insider.node_id) >= last)
+
+
+def _begun_on(peer: Peer, sender: str) -> int:
+    """The newest sequence number ``peer``'s network thread has begun on from ``sender``."""
+    sequences = list(peer.transport._identities._sequences.items())
+    return max((seq for (_, claimed, _), (_, seq) in sequences if claimed == sender), default=0)
 
 
 def _events(peer: Peer, node: str) -> list[str]:
