@@ -3,6 +3,7 @@ rounded once, each bucket on the wire at its own width."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from functools import partial
 from pathlib import Path
@@ -93,23 +94,30 @@ def test_a_model_of_two_dtypes_sends_each_at_its_width() -> None:
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk:0.3", "randk:0.3"])
 def test_every_codec_averages_a_bfloat16_model(codec: str) -> None:
+    """Seeded: random-k's gap after 30 rounds depends on the draws (over 40 unseeded pairs a mean
+    of 0.058 of the start, 2 above 0.1); the test checks the bfloat16 path, not that spread."""
     network = MemoryNetwork()
     models = [_model(i, "bfloat16") for i in range(2)]
-    optimizers = [
-        GossipOptimizer(
-            torch.optim.SGD(m.parameters(), lr=0.0),
-            peer=network.join(f"n{i}"),
-            algorithm=Algorithm("choco"),
-            compression=Codec.parse(codec),
-        )
-        for i, m in enumerate(models)
-    ]
+    with contextlib.ExitStack() as stack:
+        optimizers = [
+            stack.enter_context(
+                contextlib.closing(
+                    GossipOptimizer(
+                        torch.optim.SGD(m.parameters(), lr=0.0),
+                        peer=network.join(f"n{i}"),
+                        algorithm=Algorithm("choco"),
+                        compression=Codec.parse(codec, seed=i),
+                    )
+                )
+            )
+            for i, m in enumerate(models)
+        ]
 
-    def run(optimizer: GossipOptimizer) -> None:
-        for _ in range(30):
-            optimizer.step()
+        def run(optimizer: GossipOptimizer) -> None:
+            for _ in range(30):
+                optimizer.step()
 
-    run_together(partial(run, o) for o in optimizers)
+        run_together(partial(run, o) for o in optimizers)
     gap = [torch.cat([p.detach().reshape(-1).float() for p in m.parameters()]) for m in models]
     start = [
         torch.cat([p.detach().reshape(-1).float() for p in _model(i, "bfloat16").parameters()])

@@ -91,8 +91,10 @@ def test_a_local_steps_mesh_with_one_link_10x_slower_keeps_pace_and_every_node_a
     model to two ring neighbours takes longer than its 10 local steps. Its neighbours pass it
     over, it catches up with them, no outer step extrapolates a round that mixed too little:
     the fast nodes keep their pace (with ``stragglers=wait`` they ran at a quarter of it, 10-12
-    steps/s against 41) and every node ends above 0.9. 20 s: the slow link's values come a few
-    a second, and a lag is known from the fourth."""
+    steps/s against 41) and every node ends above 0.9. Every node ends on a round (its steps a
+    multiple of 10): the slow node's model, which its own shard pulls away from the mesh's
+    between rounds, is taken as mixing left it. 20 s: the slow link's values come a few a
+    second, and a lag is known from the fourth."""
     if reason := netns.unavailable():
         pytest.skip(reason)
     flags = ("--hosts", "netns", "--local-steps", "10", "--link", "4")
@@ -100,6 +102,7 @@ def test_a_local_steps_mesh_with_one_link_10x_slower_keeps_pace_and_every_node_a
     slowed = run(tmp_path, "dpsgd:stragglers=tolerate", *flags, "--link", f"{SLOW}:0.4", duration=20)
     assert fast_rate(slowed) >= PACE * fast_rate(even), (fast_rate(slowed), fast_rate(even))
     assert all(n["status"] == "finished" for n in slowed["nodes"])
+    assert [n["steps"] % 10 for n in slowed["nodes"]] == [0] * NODES
     assert min(n["final"]["accuracy"] for n in slowed["nodes"]) >= 0.9
 
 

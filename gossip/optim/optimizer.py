@@ -381,6 +381,11 @@ class GossipOptimizer(torch.optim.Optimizer):
         return self._machine_h if self.average_every == AUTO else int(self.average_every)
 
     @property
+    def steps_since_round(self) -> int:
+        """Local steps taken since the last gossip round (0: the model is as that round left it)."""
+        return self._steps_since_round
+
+    @property
     def round_ran(self) -> bool:
         """Whether the last :meth:`step` ran a gossip round."""
         return self._round_ran

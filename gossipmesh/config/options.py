@@ -162,7 +162,8 @@ MESH_STEPS = Option(
 )
 DURATION = Option(
     _POSITIVE,
-    "train until this many seconds on the report clock (a mesh's start), instead of --steps",
+    "train until this many seconds on the report clock (a mesh's start), instead of --steps "
+    "(with --local-steps or --average-every, on to the next gossip round)",
     metavar="S",
 )
 LR = Option(_POSITIVE, "SGD learning rate", 0.05)

@@ -197,8 +197,10 @@ class Trainer:
         progress.shard = shard.describe(config.partition)
         pacer = StepPacer(config.compute_ms, config.slowdown)
         budget = config.steps  # (None: until --duration, or until stopped)
-        deadline = config.duration if config.duration else math.inf  # on the report clock: a late
-        # joiner of a mesh stops when the others do
+        # --duration, on the report clock (a late joiner of a mesh stops when the others do), ends
+        # at a round: with local steps, a model part way into its H steps holds what its own shard
+        # alone pulled it to, far from the mesh's for a node whose neighbours pass it over
+        deadline = config.duration if config.duration else math.inf
         progress.t_first_step = round(self.clock(), 3)
         self._batches = Batches(
             shard, config.batch_size, seed=config.seed + shard_index, resume=self._sampler_at
@@ -217,7 +219,7 @@ class Trainer:
                 done = (
                     stop.is_set()
                     or (budget is not None and progress.steps >= budget)
-                    or self.clock() >= deadline
+                    or (self.clock() >= deadline and self.optimizer.steps_since_round == 0)
                 )
                 if group is not None:
                     done = group.agree(done)  # the ranks of a machine stop at the same step
