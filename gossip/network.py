@@ -72,6 +72,12 @@ class PeerNetwork(Protocol):
         """Queue a message without blocking; tensors must stay unmodified afterwards."""
         ...
 
+    def backlog(self, to: str) -> int:
+        """Messages with tensors this node sent to ``to`` that have not left it yet (queued here,
+        or in the transport, behind a link that carries less than is sent): an algorithm whose
+        math allows it holds a model back rather than queue it (0 where nothing queues)."""
+        ...
+
     def missed(self, node_id: str) -> None:
         """A hint from the algorithm: ``node_id`` sent nothing when it was expected to."""
         ...
@@ -130,6 +136,9 @@ class PeerWrapper:
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
         return self._peer.recv(timeout, kinds)
+
+    def backlog(self, to: str) -> int:
+        return self._peer.backlog(to)
 
     def missed(self, node_id: str) -> None:
         self._peer.missed(node_id)

@@ -225,6 +225,13 @@ def test_a_neighbour_whose_values_come_consistently_late_is_not_waited_for_until
     assert pace.report() == {"stragglers_passed_over": 2}
 
 
+def test_a_tolerant_node_holds_a_value_back_from_a_neighbour_whose_link_still_carries_one() -> None:
+    pace, waiting = Pace(tolerate=True, catch_up=0), Pace(tolerate=False, catch_up=0)
+    backlog = {"a": 0, "slow": 1}.__getitem__
+    assert pace.ready(("a", "slow"), backlog) == ["a"] and pace.sends_held == 1
+    assert waiting.ready(("a", "slow"), backlog) == ["a", "slow"] and waiting.sends_held == 0
+
+
 def test_overlapped_dpsgd_keeps_the_mean_and_contracts_at_the_delayed_rate() -> None:
     """Mixing last round's values in difference form: the mean is exact every round, and the
     consensus distance contracts at the largest root of z² = z - (1 - μ)/2 over W's

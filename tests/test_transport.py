@@ -107,8 +107,32 @@ def test_sends_to_an_unreachable_address_return_at_once_and_are_counted() -> Non
         assert time.monotonic() - started < 1.0
         assert wait_until(lambda: transport.stats.dropped["peer_unreachable_or_full"] == 100)
         assert transport.stats.bytes_sent == 0
+        assert wait_until(lambda: transport.backlog(nowhere) == 0)  # dropped: nothing leaves
     finally:
         transport.close()
+
+
+def test_the_backlog_is_what_a_peer_that_does_not_read_has_not_taken() -> None:
+    """A peer that reads nothing takes what its buffers hold (a few hundred kB here); the rest
+    of eight 4 MB values stays on its way out until it reads."""
+    context = zmq.Context()
+    peer = context.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.setsockopt(zmq.RCVBUF, 1 << 16)
+    address = f"tcp://127.0.0.1:{peer.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        with started_transport("tx") as sender:
+            value = np.zeros(1 << 20, np.float32)
+            for r in range(8):
+                sender.send(address, "params", r, [value], member=True)
+            assert wait_until(lambda: sender.stats.messages_sent == 8)
+            assert sender.backlog(address) >= 6
+            for _ in range(8):
+                assert peer.poll(HANG_S * 1000) and peer.recv_multipart()
+            assert wait_until(lambda: sender.backlog(address) == 0)
+    finally:
+        peer.close(0)
+        context.term()
 
 
 def test_bad_messages_are_counted_per_reason_and_never_delivered() -> None:

@@ -124,7 +124,7 @@ class DPSGD(Averager):
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
-        self.pace = pace_option(self.name, stragglers, catch_up, overlap)
+        self.pace = pace_option(self.name, stragglers, catch_up, overlap, holds_back=True)
         self._stragglers: set[str] = set()  # this round's neighbours not waited for
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
 
@@ -148,7 +148,7 @@ class DPSGD(Averager):
         sending = self._round_row(r)
         snapshot = self.params.copy()  # what we send must not change while it is in flight
         frames = self.layout.pack(snapshot)
-        for target in sending.send_to:
+        for target in self.pace.ready(sending.send_to, self.peer.backlog, behind=1):
             self.peer.send(target, PARAMS, r, frames)
         self.pace.sent(r, self.peer.now())
         self.round += 1

@@ -20,13 +20,22 @@ stragglers, so a round always waits for some.
 The straggler itself sees its neighbours ahead of it: with ``catch_up=c`` it skips to the
 round after theirs once they are c or more rounds ahead (:meth:`Pace.skip_to`), instead of
 working through rounds they have left long ago.
+
+Behind a link that carries less than the node sends, its values would queue and each arrive
+older than the one before (up to 43 rounds old behind a 0.4 Mbit/s uplink of a local-steps
+mesh). Tolerating stragglers, a node therefore holds a round's value back from a neighbour whose
+link still has earlier ones leaving (:meth:`Pace.ready`, from the transport's ``backlog``): SGP
+keeps the share while one push is leaving (push-sum stays exact with it); D-PSGD lets one value
+wait behind the one leaving, so that a neighbour still measuring its lag sees values come, later
+and later, rather than none (a value that never comes costs a whole round's wait until the lag
+is known). Where every value must arrive (waiting for every neighbour), nothing is held back.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 LAG_SAMPLES = 8
 LAG_FACTOR = 1.5
@@ -42,13 +51,16 @@ class Pace:
     Args:
         tolerate: whether measured stragglers are left out of the wait (else: none are).
         catch_up: skip ahead when the neighbours are this many rounds ahead; 0: never.
+        holds_back: whether the algorithm holds values back from a busy link (:meth:`ready`).
     """
 
-    def __init__(self, *, tolerate: bool, catch_up: int) -> None:
+    def __init__(self, *, tolerate: bool, catch_up: int, holds_back: bool = False) -> None:
         self.tolerate = tolerate
         self.catch_up = catch_up
+        self.holds_back = holds_back
         self.newest: dict[str, int] = {}  # sender -> the newest round it sent a value of
         self.passed_over = 0  # neighbour-rounds not waited for (stragglers)
+        self.sends_held = 0  # values not sent: an earlier one to that neighbour was still leaving
         self.rounds_skipped = 0
         self._sent_at: dict[int, float] = {}  # round -> when this node sent its value (in order)
         self._lags: dict[str, deque[float]] = {}
@@ -62,6 +74,15 @@ class Pace:
         self._sent_at[r] = now
         while len(self._sent_at) > KEPT_ROUNDS:
             del self._sent_at[next(iter(self._sent_at))]
+
+    def ready(self, targets: Sequence[str], backlog: Callable[[str], int], behind: int = 0) -> list[str]:
+        """The ``targets`` to send this round's value to: all, unless tolerating stragglers;
+        then those with at most ``behind`` values still leaving for them (``backlog``: see above)."""
+        if not self.tolerate:
+            return list(targets)
+        ready = [target for target in targets if backlog(target) <= behind]
+        self.sends_held += len(targets) - len(ready)
+        return ready
 
     def mixed(self, now: float) -> None:
         """This node's round ended (the training loop takes its local steps now)."""
@@ -123,18 +144,23 @@ class Pace:
         figures: dict[str, float] = {}
         if self.tolerate:
             figures["stragglers_passed_over"] = self.passed_over
+            if self.holds_back:
+                figures["sends_held"] = self.sends_held
         if self.catch_up:
             figures["rounds_skipped"] = self.rounds_skipped
         return figures
 
 
-def pace_option(algorithm: str, stragglers: str, catch_up: int | None, overlap: int = 0) -> Pace:
+def pace_option(
+    algorithm: str, stragglers: str, catch_up: int | None, overlap: int = 0, holds_back: bool = False
+) -> Pace:
     """The pace of a synchronous algorithm's options ``stragglers=`` and ``catch_up=``; an
     unset ``catch_up`` is ``CATCH_UP`` for a node that tolerates stragglers (which leave it
-    behind when it is the slow one) and mixes this round's values (no ``overlap``), else 0."""
+    behind when it is the slow one) and mixes this round's values (no ``overlap``), else 0.
+    ``holds_back``: see :class:`Pace`."""
     if stragglers not in STRAGGLERS:
         raise ValueError(f"{algorithm} stragglers is one of {', '.join(STRAGGLERS)}, got {stragglers!r}")
     tolerate = stragglers == "tolerate"
     if catch_up is None:
         catch_up = CATCH_UP if tolerate and not overlap else 0
-    return Pace(tolerate=tolerate, catch_up=catch_up)
+    return Pace(tolerate=tolerate, catch_up=catch_up, holds_back=holds_back)

@@ -82,7 +82,8 @@ FAMILIES: dict[str, AlgorithmFamily] = {
                 "round's neighbours, waits (bounded) for theirs and mixes"
             ),
             parameters=(
-                f"{_STRAGGLERS_DOC}; "
+                f"{_STRAGGLERS_DOC}, and send a neighbour no value while two are still leaving for it (a "
+                "link that carries less than is sent: the report's `staleness.sends_held`); "
                 "`backup` (0 = all): proceed once that many neighbours' values are in (backup workers); "
                 "`overlap` (0; 1: mix the previous round's values, see [local "
                 "steps](compression.md#local-steps)); `staleness` (0); `exact_every` (0 = never): every "
@@ -106,7 +107,9 @@ FAMILIES: dict[str, AlgorithmFamily] = {
                 "`overlap` (1): wait for the shares of `overlap` rounds ago, so communication hides "
                 "behind the next step; `stragglers` (`tolerate`): do not wait for an in-neighbour whose "
                 "shares arrive consistently later than the others' (push-sum mixes them whenever they "
-                "come); `wait`: wait for every one, as a synchronous mesh does; `staleness` (256)"
+                "come), and keep the share of an out-neighbour whose link still carries an earlier push "
+                "rather than queue it (the report's `staleness.sends_held`); `wait`: wait for every one, "
+                "as a synchronous mesh does; `staleness` (256)"
             ),
             renamed={"staleness": "max_staleness"},
             mixes_late=True,

@@ -20,7 +20,10 @@ arrive, so communication hides behind computation. An in-neighbour that has fall
 newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
 does not need shares to come in step. Nor, unless ``stragglers=wait``, is one whose shares
 arrive consistently later than the others' (``gossip.algorithms.pace``): waited for, a slow
-node never falls behind, and the whole mesh would run at its pace. A share older than
+node never falls behind, and the whole mesh would run at its pace. Tolerating, a node also keeps
+the share of an out-neighbour whose link still carries an earlier push (``Pace.ready``) instead
+of queueing it there: push-sum stays exact with the share kept, where a queued push arrives ever
+staler behind a slow link and one dropped from a full queue takes its mass with it. A share older than
 ``max_staleness`` rounds is dropped and counted. The default bound is generous (256 rounds)
 because a dropped share takes its mass with it: push-sum is exact only while mass is
 conserved, and a node that keeps losing mass drives its weight towards zero.
@@ -93,7 +96,7 @@ class SGP(Averager):
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
-        self.pace = pace_option(self.name, stragglers, catch_up=0, overlap=overlap)
+        self.pace = pace_option(self.name, stragglers, catch_up=0, overlap=overlap, holds_back=True)
         peer.take_pieces(self.kinds)
 
     @property
@@ -108,13 +111,16 @@ class SGP(Averager):
         share = 1.0 / (len(row.send_to) + 1)
         # (at least the smallest float: a node cut off for a thousand rounds still pushes a weight)
         self.segments = [(start, max(weight * share, MIN_WEIGHT)) for start, weight in self.segments]
-        if row.send_to:
+        targets = self.pace.ready(row.send_to, self.peer.backlog)
+        if targets:
             with self.lock:
                 pushed = self.params.copy()  # it stays untouched while in flight
             starts, weights = zip(*self.segments, strict=True)
             meta = PushShare(list(starts), list(weights)).encode()
-            for target in row.send_to:
+            for target in targets:
                 self.peer.send(target, PUSH, r, [pushed], meta)
+        if kept := len(row.send_to) - len(targets):  # shares held back stay here: no mass is lost
+            self.segments = [(start, weight * (1 + kept)) for start, weight in self.segments]
         started = self.peer.now()
         self.pace.sent(r, started)
         expected = self._expected(r - self.overlap)

@@ -115,6 +115,7 @@ class VirtualNetwork:
         link = self.links.get((sender.node_id, to), self.link)
         now = self.clock.now
         sender.uplink_free = max(sender.uplink_free, now) + link.transfer_s(nbytes)
+        sender.leaving.setdefault(to, deque()).append(sender.uplink_free)
         receiver = self.peers.get(to)
         lost = self.loss > 0 and self._rng.random() < self.loss
         if receiver is None or lost or any(p.cuts(sender.node_id, to, now) for p in self.partitions):
@@ -134,6 +135,7 @@ class VirtualPeer:
         self.bytes_sent = 0
         self.messages_lost = 0
         self.uplink_free = 0.0  # when the uplink has sent everything queued on it
+        self.leaving: dict[str, deque[float]] = {}  # per receiver: when its messages leave the uplink
         self._inbox: deque[Message] = deque()
         self._waiters: dict[SimThread, tuple[int, Collection[str] | None]] = {}
 
@@ -156,6 +158,12 @@ class VirtualPeer:
 
     def missed(self, node_id: str) -> None:
         """Membership is exact (crashes are detected after ``detect_s``): nothing to probe."""
+
+    def backlog(self, to: str) -> int:
+        leaving = self.leaving.get(to)
+        while leaving and leaving[0] <= self.clock.now:
+            leaving.popleft()
+        return len(leaving) if leaving else 0
 
     def send(
         self,

@@ -137,6 +137,9 @@ class MemoryPeer:
         else:
             self.messages_dropped += 1
 
+    def backlog(self, to: str) -> int:
+        return 0  # delivered as it is sent
+
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
         return self._inbox.get(timeout, kinds)
 

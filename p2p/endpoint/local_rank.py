@@ -123,6 +123,12 @@ class LocalRankPeer(Endpoint):
         address = member.ranks[self.rank - 1]
         self.transport.send(address, kind, round, tensors, meta, key=member.key or None, member=True)
 
+    def backlog(self, to: str) -> int:
+        member = self._view.get(to)
+        if member is None or len(member.ranks) < self.rank:
+            return 0
+        return self.transport.backlog(member.ranks[self.rank - 1])
+
     def missed(self, node_id: str) -> None:
         """Failure detection is rank 0's: nothing to do here."""
 

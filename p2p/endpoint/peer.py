@@ -165,6 +165,10 @@ class Peer(Endpoint):
         address, key = contact
         self.transport.send(address, kind, round, tensors, meta, key=key or None, member=True)
 
+    def backlog(self, to: str) -> int:
+        contact = self.membership.contact(to)
+        return 0 if contact is None else self.transport.backlog(contact[0])
+
     def missed(self, node_id: str) -> None:
         """``node_id`` sent nothing when expected: have the failure detector probe it now."""
         self.membership.probe_soon(node_id)

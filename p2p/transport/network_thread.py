@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,6 +65,7 @@ from p2p.transport.connections import (
     Target,
     usable_at,
 )
+from p2p.transport.departures import Departure, Departures
 from p2p.transport.inbound import HANDSHAKE_MS, InboundGuard
 from p2p.transport.inbox import Inbox
 from p2p.transport.outbound import Outbound
@@ -190,6 +191,7 @@ class Transport:
         self._session = secrets.randbits(63)
         self._seq = itertools.count(1)
         self._send_order = threading.Lock()
+        self._departures = Departures()
         self._services: dict[str, Service] = {}
         self._service_list: list[Service] = []
         self._readers: dict[int, Callable[[], None]] = {}
@@ -305,21 +307,42 @@ class Transport:
         fields: dict[str, Any] = {
             "kind": kind, "sender": self.node_id, "round": round, "tensors": tensors, "meta": meta
         }  # fmt: skip
+        # a message with tensors is tracked until it leaves (``backlog``)
+        departure = self._departures.start(address) if tensors else None
+        out = _Outgoing(address, key, member, patient, fields, departure)
         if self._outbound.paced:  # encoded when it leaves (its seq then), see _hold
-            self.call_soon(lambda: self._hold(address, key, member, patient, fields))
+            self.call_soon(lambda: self._hold(out))
             return
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
-            self.call_soon(self._encoded(address, key, member, patient, fields))
+            send = self._encoded(out)
+            self.call_soon(send)
 
-    def _encoded(
-        self, address: str, key: str | None, member: bool, patient: bool, fields: dict[str, Any]
-    ) -> Callable[[], None]:
+    def backlog(self, address: str) -> int:
+        """Messages with tensors sent to ``address`` that have not left this node yet (see
+        ``p2p.transport.departures``); any thread."""
+        return self._departures.count(address)
+
+    def _encoded(self, out: _Outgoing) -> Callable[[], None]:
         """The message encoded (its sequence numbers taken now), as the send to run."""
-        if sum(t.nbytes for t in fields["tensors"]) <= self._chunk_bytes:
-            frames = encode(**fields, session=self._session, seq=next(self._seq))
-            return lambda: self._outbound.send_now(address, key, member, frames, patient=patient)
-        chunks = encode_chunks(**fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes)
-        return lambda: self._outbound.send_stream(address, key, member, chunks)
+        fields, departure = out.fields, out.departure
+        try:
+            if sum(t.nbytes for t in fields["tensors"]) <= self._chunk_bytes:
+                frames = encode(**fields, session=self._session, seq=next(self._seq))
+                if departure is not None:
+                    departure.track(frames)
+                return lambda: self._outbound.send_now(
+                    out.address, out.key, out.member, frames, patient=out.patient
+                )
+            chunks = encode_chunks(
+                **fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes
+            )
+            if departure is not None:
+                departure.track(chunks[-1])
+            return lambda: self._outbound.send_stream(out.address, out.key, out.member, chunks)
+        except BaseException:
+            if departure is not None:
+                departure.gone()
+            raise
 
     def take_pieces(self, kinds: Collection[str]) -> None:
         """Hand on the large messages of ``kinds`` chunk by chunk, as they come, instead of
@@ -600,17 +623,15 @@ class Transport:
         """Close the connections to ``address``, dropping what is queued (network thread only)."""
         self.connections.close_address(address)
 
-    def _hold(
-        self, address: str, key: str | None, member: bool, patient: bool, fields: dict[str, Any]
-    ) -> None:
+    def _hold(self, out: _Outgoing) -> None:
         """With a send cap: a service's message (membership: small, and late it would make
         peers suspect this node) leaves now (behind a stream being fed to that peer, though);
         the others wait their turn, encoded as they leave so that sequence numbers go out in
         order whatever passed them (network thread)."""
-        if fields["kind"] in self._services:
-            self._encoded(address, key, member, patient, fields)()
+        if out.fields["kind"] in self._services:
+            self._encoded(out)()
         else:
-            self._outbound.hold(lambda: self._encoded(address, key, member, patient, fields)())
+            self._outbound.hold(lambda: self._encoded(out)(), out.departure)
 
     def _closed(self, target: Target, connection: Connection) -> None:
         self._outbound.closed(target, connection)
@@ -639,6 +660,18 @@ class Transport:
             self._context.destroy(linger=0)
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A message on its way to the network thread: to whom, how, and what tracks it."""
+
+    address: str
+    key: str | None  # the CURVE key expected there (None: try every trusted key)
+    member: bool
+    patient: bool
+    fields: dict[str, Any]  # what ``p2p.wire.encode`` takes, but the sequence numbers
+    departure: Departure | None  # (messages with tensors)
 
 
 def _claimed(routing_id: bytes) -> tuple[str, str]:

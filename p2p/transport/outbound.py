@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from p2p.transport.connections import Connection, Connections, RouteClosedError, Target
+from p2p.transport.departures import Departure
 from p2p.transport.polling import Poller
 from p2p.transport.send_cap import SendPacer
 from p2p.transport.stats import TransportStats
@@ -54,7 +55,8 @@ class Outbound:
         self._connections, self._poller, self._stats, self._pacer = connections, poller, stats, pacer
         self._guarded, self._unreachable, self._lanes = guarded, unreachable, lanes
         self._streams: dict[Target, deque[_Queued]] = {}  # per peer: a stream and what waits behind
-        self._held: deque[Callable[[], None]] = deque()  # sends waiting for the pacer
+        # sends waiting for the pacer, with what tracks their message's way out
+        self._held: deque[tuple[Callable[[], None], Departure | None]] = deque()
         self._paused: dict[Target, None] = {}  # streams waiting for the pacer, in turn
         self._retry: dict[Target, None] = {}  # routed streams waiting for room, tried every turn
 
@@ -79,14 +81,17 @@ class Outbound:
             return None
         return math.ceil(self._pacer.wait_s() * 1000)
 
-    def hold(self, send: Callable[[], None]) -> None:
+    def hold(self, send: Callable[[], None], departure: Departure | None = None) -> None:
         """Run ``send`` in its turn under the cap (it encodes as it leaves, see the transport);
         beyond ``MAX_QUEUED`` waiting, the oldest is dropped (a cap slower than what the node
-        makes must not grow its memory or its messages' age without bound)."""
+        makes must not grow its memory or its messages' age without bound) and its
+        ``departure`` ends."""
         if len(self._held) >= MAX_QUEUED:
-            self._held.popleft()
+            _, dropped = self._held.popleft()
+            if dropped is not None:
+                dropped.gone()
             self._stats.drop("send_cap_backlog")
-        self._held.append(send)
+        self._held.append((send, departure))
         self.release()
 
     def release(self) -> None:
@@ -100,7 +105,8 @@ class Outbound:
             del self._paused[target]
             self.feed(target)
         while self._held and pacer.wait_s() == 0:
-            self._guarded("command", self._held.popleft())
+            send, _ = self._held.popleft()
+            self._guarded("command", send)
 
     def send_now(
         self, address: str, key: str | None, member: bool, frames: list[Any], *, patient: bool = False
