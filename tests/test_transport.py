@@ -135,6 +135,19 @@ def test_the_backlog_is_what_a_peer_that_does_not_read_has_not_taken() -> None:
         context.term()
 
 
+def test_under_a_send_cap_what_waits_is_backlog_and_what_its_queue_drops_is_not() -> None:
+    """70 values at 100 bytes/s: the first goes to ZeroMQ (the cap goes into debt), 64 wait their
+    turn, the oldest 5 beyond them are dropped and no longer count."""
+    with (
+        started_transport("capped", max_send_bytes_per_s=100.0) as sender,
+        started_transport("rx") as receiver,
+    ):
+        for r in range(70):
+            sender.send(receiver.address, "params", r, [np.zeros(1000, np.float32)], member=True)
+        assert wait_until(lambda: sender.stats.dropped["send_cap_backlog"] == 5)
+        assert sender.backlog(receiver.address) in (64, 65)  # (65: the first not sent on yet)
+
+
 def test_bad_messages_are_counted_per_reason_and_never_delivered() -> None:
     with (
         started_transport("rx", inbox_kinds={"params"}) as receiver,
