@@ -91,7 +91,7 @@ class ADPSGD(Averager):
         """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
         exchange = next(self._exchange_ids)
         with self.lock:
-            sent = self.layout.pack(self.params.copy())
+            sent = self.layout.pack(self.params, copy=True)
         self.peer.send(partner, PAIR_REQUEST, self.round, sent, Exchange(exchange).encode())
         deadline = self.peer.now() + self.wait_limit()
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():

@@ -146,15 +146,19 @@ class DPSGD(Averager):
             self._skip_to(skip)
         r = self.round
         sending = self._round_row(r)
-        snapshot = self.params.copy()  # what we send must not change while it is in flight
-        frames = self.layout.pack(snapshot)
+        # what is sent must not change while it is in flight: a copy in the buckets' dtypes (of
+        # a bfloat16 model, half the bytes of its float32 vector) where the round mixes into the
+        # vector as values arrive; a whole copy where the round mixes from it as well
+        snapshot = None if self.streams else self.params.copy()
+        frames = self.layout.pack(self.params, copy=True) if snapshot is None else self.layout.pack(snapshot)
         for target in self.pace.ready(sending.send_to, self.peer.backlog, behind=1):
             self.peer.send(target, PARAMS, r, frames)
         self.pace.sent(r, self.peer.now())
         self.round += 1
-        stats = (
-            self._mix_as_they_come(r, sending) if self.streams else self._mix_gathered(r, sending, snapshot)
-        )
+        if snapshot is None:
+            stats = self._mix_as_they_come(r, sending)
+        else:
+            stats = self._mix_gathered(r, sending, snapshot)
         self.pace.mixed(self.peer.now())
         return stats
 

@@ -89,13 +89,13 @@ class Layout:
             start += size
         return Layout(tuple(buckets) or ((self.buckets[0][0], 0),))
 
-    def pack(self, vector: np.ndarray) -> list[np.ndarray]:
-        """The frames of ``vector``: views where a bucket has the vector's dtype, else copies
-        rounded to the bucket's dtype (exact for values read from the model)."""
+    def pack(self, vector: np.ndarray, copy: bool = False) -> list[np.ndarray]:
+        """The frames of ``vector``: views where a bucket has the vector's dtype (copies with
+        ``copy``, for frames that must not change while the vector does), else copies rounded
+        to the bucket's dtype (exact for values read from the model)."""
         frames, start = [], 0
         for dtype, size in self.buckets:
-            part = vector[start : start + size]
-            frames.append(part if part.dtype == dtype else part.astype(dtype))
+            frames.append(vector[start : start + size].astype(dtype, copy=copy))
             start += size
         return frames
 
