@@ -20,13 +20,13 @@ arrive, so communication hides behind computation. An in-neighbour that has fall
 newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
 does not need shares to come in step. Nor, unless ``stragglers=wait``, is one whose shares
 arrive consistently later than the others' (``gossip.algorithms.pace``): waited for, a slow
-node never falls behind, and the whole mesh would run at its pace. Tolerating, a node also keeps
-the share of an out-neighbour whose link still carries an earlier push (``Pace.ready``) instead
-of queueing it there: push-sum stays exact with the share kept, where a queued push arrives ever
-staler behind a slow link and one dropped from a full queue takes its mass with it. A share older than
-``max_staleness`` rounds is dropped and counted. The default bound is generous (256 rounds)
-because a dropped share takes its mass with it: push-sum is exact only while mass is
-conserved, and a node that keeps losing mass drives its weight towards zero.
+node never falls behind, and the whole mesh would run at its pace. Tolerating, a node also
+keeps the share of an out-neighbour whose link still carries an earlier push (``Pace.ready``)
+instead of queueing it there: push-sum stays exact with the share kept, where a queued push
+arrives ever staler behind a slow link and one dropped from a full queue takes its mass with it.
+A share older than ``max_staleness`` rounds is dropped and counted. The default bound is
+generous (256 rounds) because a dropped share takes its mass with it: push-sum is exact only
+while mass is conserved, and a node that keeps losing mass drives its weight towards zero.
 
 Shares are mixed piece by piece as they arrive (``gossip.buffers.pieces``). A share from one of
 the next ``HOLD_ROUNDS`` rounds waits for its round, so nodes in step mix exactly as the graph
