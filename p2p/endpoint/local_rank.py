@@ -113,21 +113,26 @@ class LocalRankPeer(Endpoint):
         meta: Mapping[str, Any] | None = None,
     ) -> None:
         self.transport.check_running()
-        member = self._view.get(to)
-        if member is None or not member.status.live:
-            self.stats.drop("unknown_peer")
+        route = self._route(to)
+        if isinstance(route, str):
+            self.stats.drop(route)
             return
-        if len(member.ranks) < self.rank:
-            self.stats.drop("no_local_rank")  # a machine of fewer ranks (a config mismatch)
-            return
-        address = member.ranks[self.rank - 1]
-        self.transport.send(address, kind, round, tensors, meta, key=member.key or None, member=True)
+        address, key = route
+        self.transport.send(address, kind, round, tensors, meta, key=key, member=True)
 
     def backlog(self, to: str) -> int:
+        route = self._route(to)
+        return 0 if isinstance(route, str) else self.transport.backlog(route[0])
+
+    def _route(self, to: str) -> tuple[str, str | None] | str:
+        """The address and key of the rank of ``to``'s machine that is this one's peer, or why
+        there is none (a drop reason)."""
         member = self._view.get(to)
-        if member is None or len(member.ranks) < self.rank:
-            return 0
-        return self.transport.backlog(member.ranks[self.rank - 1])
+        if member is None or not member.status.live:
+            return "unknown_peer"
+        if len(member.ranks) < self.rank:
+            return "no_local_rank"  # a machine of fewer ranks (a config mismatch)
+        return member.ranks[self.rank - 1], member.key or None
 
     def missed(self, node_id: str) -> None:
         """Failure detection is rank 0's: nothing to do here."""

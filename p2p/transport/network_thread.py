@@ -314,8 +314,7 @@ class Transport:
             self.call_soon(lambda: self._hold(out))
             return
         with self._send_order:  # seq order == queue order, so receivers see seqs increase
-            send = self._encoded(out)
-            self.call_soon(send)
+            self.call_soon(self._encoded(out))
 
     def backlog(self, address: str) -> int:
         """Messages with tensors sent to ``address`` that have not left this node yet (see
