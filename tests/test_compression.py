@@ -6,14 +6,25 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from contextlib import ExitStack, closing
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from helpers import average_in_threads, run_together
 
-from gossip import CHOCO, Algorithm, Codec, CodecError, IncompatibleOptionsError, consensus_distance
+from gossip import (
+    CHOCO,
+    Algorithm,
+    Codec,
+    CodecError,
+    GossipOptimizer,
+    IncompatibleOptionsError,
+    consensus_distance,
+)
 from gossip.algorithms.choco import StepSize
 from gossip.compression import INT8_BLOCK, SEGMENT
 from gossip.optim.outer import OuterNesterov
@@ -336,6 +347,35 @@ def test_a_round_that_mixed_too_little_takes_no_outer_step() -> None:
     np.testing.assert_array_equal(outer.velocity, velocity)
     assert outer.after_mixing(params, expected=0, arrived=0)  # no neighbours: nothing missing
     assert outer.rounds_held == 1
+
+
+def test_with_an_outer_step_the_consensus_estimate_is_what_mixing_moved() -> None:
+    """Two nodes at 1 and 3 that take no local steps (lr 0): the round mixes both to 2, and the
+    outer step then moves each further (to 1 + 0.7 * 1.9 = 2.33 from 1); the estimate is
+    |2 - 1| / |2| = 0.5, the mixing's alone, not the outer step's 0.57."""
+    network = MemoryNetwork()
+    params = [torch.nn.Parameter(torch.full((4,), start)) for start in (1.0, 3.0)]
+    optimizers = [
+        GossipOptimizer(
+            torch.optim.SGD([p], lr=0.0), peer=network.join(f"n{i}"), topology=Topology("complete"),
+            average_every=10, outer_lr=0.7, outer_momentum=0.9,
+        )
+        for i, p in enumerate(params)
+    ]  # fmt: skip
+
+    def train(i: int) -> None:
+        for _ in range(10):
+            params[i].grad = torch.zeros(4)
+            optimizers[i].step()
+
+    with ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(closing(optimizer))
+        run_together(partial(train, i) for i in range(2))
+        assert optimizers[0].round == 1
+        np.testing.assert_allclose(params[0].detach().numpy(), 1 + 0.7 * 1.9, rtol=1e-6)
+        assert optimizers[0].consensus_estimate == pytest.approx(0.5, rel=1e-6)
+        assert optimizers[1].consensus_estimate == pytest.approx(1 / 2, rel=1e-6)  # |2 - 3| / |2|
 
 
 def test_compression_needs_choco_and_choco_needs_a_static_graph() -> None:

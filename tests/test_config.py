@@ -47,7 +47,8 @@ def _node(
 def test_defaults_are_typed_values() -> None:
     config = _node([])
     assert config.task.name == "digits" and config.topology is None
-    assert config.algorithm == Algorithm("dpsgd") and config.compression == Codec() and config.robust is None
+    assert config.algorithm == Algorithm.parse("dpsgd:stragglers=tolerate") and config.local_steps == 10
+    assert config.compression == Codec() and config.robust is None
     assert config.graph == Topology("ring")
     assert _node(["--algorithm", "sgp"]).graph == Topology("one-peer-exponential")
     assert (config.lr, config.momentum, config.batch_size) == (0.05, 0.9, 32)
@@ -55,31 +56,35 @@ def test_defaults_are_typed_values() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "chosen"),
+    ("argv", "chosen", "local_steps"),
     [
-        ([], "adpsgd"),  # never waits: the fastest whole-model arm, even and with a straggler
-        (["--mix-momentum"], "adpsgd"),
-        (["--topology", "one-peer-exponential"], "sgp"),  # time-varying: not adpsgd's
-        (["--topology", "directed-exponential"], "sgp"),
-        (["--robust", "clip"], "dpsgd"),
-        (["--compression", "int8"], "choco"),
-        (["--compression", "auto"], "choco"),
-        (["--local-steps", "10"], "dpsgd"),  # an outer step over D-PSGD's rounds
-        (["--average-every", "auto"], "dpsgd"),  # measures rounds, which adpsgd and sgp hide
-        (["--average-every", "4", "--compression", "int8"], "choco"),
+        ([], "dpsgd:stragglers=tolerate", 10),  # the fastest arm, even and with a straggler
+        (["--topology", "torus"], "dpsgd:stragglers=tolerate", 10),
+        (["--mix-momentum"], "adpsgd", None),  # not with an outer step: the fastest per step
+        (["--quasi-global-momentum", "0.9"], "adpsgd", None),
+        (["--topology", "one-peer-exponential"], "sgp", None),  # directed: push-sum's
+        (["--topology", "directed-exponential"], "sgp", None),
+        (["--robust", "clip"], "dpsgd", None),
+        (["--compression", "int8"], "choco", None),
+        (["--compression", "auto"], "choco", None),
+        (["--local-steps", "50"], "dpsgd:stragglers=tolerate", 50),  # an outer step over D-PSGD's rounds
+        (["--average-every", "auto"], "dpsgd:stragglers=tolerate", None),  # measures rounds
+        (["--average-every", "4", "--compression", "int8"], "choco:stragglers=tolerate", None),
     ],
 )
 def test_algorithm_auto_chooses_the_first_that_works_with_the_other_options(
-    argv: list[str], chosen: str
+    argv: list[str], chosen: str, local_steps: int | None
 ) -> None:
-    config = _node(["--algorithm", "auto", *argv])
-    assert config.algorithm == Algorithm(chosen)  # (the config holds the one chosen, as reports show)
-    assert summary(config)["algorithm"] == chosen
+    for config in (_node(argv), _node(["--algorithm", "auto", *argv])):  # auto is the default
+        assert config.algorithm == Algorithm.parse(chosen)  # (the config holds the one chosen)
+        assert config.local_steps == local_steps
+        assert summary(config)["algorithm"] == chosen
 
 
 def test_algorithm_auto_reads_the_same_from_a_file_and_in_the_simulator() -> None:
     mesh = load(MeshConfig, {"algorithm": "auto", "topology": "directed-exponential"})
     assert mesh.algorithm == Algorithm("sgp")
+    assert load(MeshConfig, {}).local_steps == 10
     simulated = parse_config(["simulate", "--algorithm", "auto", "--robust", "clip"])
     assert simulated.algorithm == Algorithm("dpsgd")
 
@@ -239,8 +244,8 @@ def test_a_node_runs_without_curve_only_when_told_so(tmp_path: Path) -> None:
 # -- every invalid combination: one line naming the flags, exit status 2, nothing opened ----------
 
 INVALID = [
-    (["node", "--compression", "int8"], "--compression int8 needs --algorithm choco"),
-    (["node", "--compression", "auto"], "--compression auto needs --algorithm choco"),
+    (["node", "--algorithm", "dpsgd", "--compression", "int8"], "--compression int8 needs --algorithm choco"),
+    (["node", "--algorithm", "dpsgd", "--compression", "auto"], "--compression auto needs --algorithm choco"),
     (["simulate", "--algorithm", "choco", "--compression", "auto", "--rounds", "3"], None),  # valid
     (
         ["node", "--algorithm", "sgp", "--compression", "topk:0.1"],
@@ -355,7 +360,7 @@ def test_the_command_exits_with_status_2_and_no_listener() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    argv = ["node", "--insecure", "--compression", "int8", "--listen", f"tcp://127.0.0.1:{port}",
+    argv = ["node", "--insecure", "--algorithm", "dpsgd", "--compression", "int8", "--listen", f"tcp://127.0.0.1:{port}",
             "--expect", "2", "--startup-timeout", "60"]  # fmt: skip
     process = subprocess.Popen([sys.executable, "node.py", *argv], cwd=Path(__file__).resolve().parents[1],
                                stderr=subprocess.PIPE, text=True)  # fmt: skip

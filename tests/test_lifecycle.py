@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,21 +46,27 @@ def test_two_start_together_a_third_joins_with_their_state_and_all_leave_cleanly
     ]
     models = [task.model(seed) for seed in range(3)]
     sessions: dict[str, Session] = {}
-    halfway, errors = threading.Event(), []
+    halfway, joined, errors = threading.Event(), threading.Event(), []
 
     def node(i: int, steps: int) -> None:
         try:
             model = models[i]
             with Session(configs[i], model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)) as s:
                 sessions[s.node_id] = s
+                if i == 2:  # the members train on until it has their state
+                    joined.set()
                 _train(s, task, model, steps // 2, shards=2)
                 if i < 2:
                     halfway.set()
                     assert s.peer.membership.joined.is_set()
+                    deadline = time.monotonic() + HANG_S
+                    while not joined.is_set() and time.monotonic() < deadline:
+                        _train(s, task, model, 10, shards=2)
                 _train(s, task, model, steps // 2, shards=2)
         except BaseException as exc:
             errors.append(exc)
             halfway.set()
+            joined.set()
 
     threads = [threading.Thread(target=node, args=(i, 400)) for i in range(2)]
     for thread in threads:

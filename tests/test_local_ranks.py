@@ -530,7 +530,7 @@ def _session_rank(
         argv = ["--id", f"m{machine}", "--listen", f"tcp://127.0.0.1:{ports[machine]}", "--expect", "2"]
         argv += ["--bootstrap", f"tcp://127.0.0.1:{ports[0]}"] if machine else []
         config = gossipmesh.node_config(
-            [*argv, "--insecure", "--state-dir", str(state / f"m{machine}")], env={}
+            [*argv, "--insecure", "--algorithm", "dpsgd", "--state-dir", str(state / f"m{machine}")], env={}
         )
         with torch.device("meta" if shard else "cpu"):
             model = torch.nn.Linear(40, 2 if shard else 1)

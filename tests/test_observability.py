@@ -66,7 +66,8 @@ def test_charlm_mesh_metrics_move_and_the_report_is_plotted(tmp_path: Path) -> N
     port = free_ports(1, block=3)[0]
     mesh = subprocess.Popen(
         [sys.executable, NODE_PY, "mesh", "--nodes", "3", "--task", "charlm", "--steps", "100",
-         "--lr", "0.3", "--eval-interval", "1", "--metrics-port", str(port), "--run-dir", str(tmp_path)],
+         "--algorithm", "dpsgd", "--lr", "0.3", "--eval-interval", "1", "--metrics-port", str(port),
+         "--run-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -269,13 +269,18 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
 
 AUTO = "auto"  # an option the mesh chooses: the algorithm here, average_every in the optimizer
 # ``auto``'s order of preference, from docs/algorithms.md#which-algorithm (8 nodes, one 4x
-# slower): AD-PSGD never waits and was the fastest whole-model arm, even and with a straggler;
-# SGP next, for the graphs AD-PSGD does not take (directed, time-varying); D-PSGD for robust
-# mixing; CHOCO, the one that compresses. With an outer step or periodic averaging the rounds
-# are D-PSGD's (the measured best, local steps over D-PSGD; AD-PSGD's background exchanges do
-# not come every H steps).
+# slower): AD-PSGD never waits and was the fastest arm that averages after every step; SGP
+# next, for the graphs AD-PSGD does not take (directed, time-varying); D-PSGD for robust mixing;
+# CHOCO, the one that compresses. With an outer step or periodic averaging the rounds are
+# D-PSGD's, passing over measured stragglers (AD-PSGD's background exchanges do not come every H
+# steps, and a round that waits for a straggler every H steps runs at its pace).
 PREFERENCE = ("adpsgd", "sgp", "dpsgd", "choco")
-PERIODIC_PREFERENCE = ("dpsgd", "choco", "sgp", "adpsgd")
+LOCAL_STEPS_ALGORITHM = "dpsgd:stragglers=tolerate"
+PERIODIC_PREFERENCE = (LOCAL_STEPS_ALGORITHM, "choco:stragglers=tolerate", "sgp", "adpsgd")
+#: ``auto``'s local steps (an outer step every H) where no other option asks for something
+#: else: the fastest arm to 0.95 on every node, with even nodes and with one 4x slower, and a
+#: tenth of the bytes (docs/algorithms.md#which-algorithm)
+AUTO_LOCAL_STEPS = 10
 
 
 def choose_algorithm(**options: Any) -> Algorithm:
@@ -285,17 +290,40 @@ def choose_algorithm(**options: Any) -> Algorithm:
     periodic = options.get("outer_step") or options.get("average_every", 1) != 1
     order = dict.fromkeys([*(PERIODIC_PREFERENCE if periodic else PREFERENCE), *FAMILIES])
     refusals = []
-    for name in order:
-        if name not in FAMILIES:
+    for spec in order:
+        if spec.partition(":")[0] not in FAMILIES:
             continue
-        candidate = Algorithm.parse(name)
+        candidate = Algorithm.parse(spec)
         try:
             candidate.check(**options)
         except IncompatibleOptionsError as exc:
-            refusals.append(f"{name}: {exc}")
+            refusals.append(f"{spec}: {exc}")
             continue
         return candidate
     raise IncompatibleOptionsError(f"algorithm={AUTO} found none that works here ({'; '.join(refusals)})")
+
+
+def choose_local_steps(**options: Any) -> int | None:
+    """``auto``'s local steps: :data:`AUTO_LOCAL_STEPS` over :data:`LOCAL_STEPS_ALGORITHM`
+    where ``options`` (:meth:`Algorithm.check`'s) ask for no averaging period, outer step,
+    codec, robust rule or directed graph of their own and allow an outer step; else None
+    (every step)."""
+    codec, topology = options.get("codec"), options.get("topology")
+    if (
+        options.get("outer_step")
+        or options.get("average_every", 1) != 1
+        or options.get("robust") is not None
+        or (codec is not None and codec.name != "none")
+        or (topology is not None and topology.family.directed)  # (push-sum's: SGP's per step)
+    ):
+        return None
+    try:
+        Algorithm.parse(LOCAL_STEPS_ALGORITHM).check(
+            **{**options, "average_every": AUTO_LOCAL_STEPS, "outer_step": True}
+        )
+    except IncompatibleOptionsError:
+        return None
+    return AUTO_LOCAL_STEPS
 
 
 def _having(need: str) -> str:

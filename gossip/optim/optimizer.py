@@ -58,7 +58,7 @@ JOIN_LEAD_S = 0.3  # how far ahead a joiner starts: time for the mesh to hear of
 # the fastest a mesh runs rounds, as a joiner believes a state's rounds_per_s: a round is a
 # message to each neighbour and back, more than a millisecond even on loopback
 MAX_ROUNDS_PER_S = 1000.0
-CONSENSUS_EVERY = 10  # rounds between two consensus estimates
+CONSENSUS_EVERY = 10  # local steps between two consensus estimates (at least: the next round)
 CONSENSUS_SAMPLE = 1 << 18  # parameters an estimate compares at most (evenly strided): 1 MB, not a model
 
 
@@ -124,9 +124,10 @@ class GossipOptimizer(torch.optim.Optimizer):
 
     ``phases`` tells where the time of each round went (see ``gossip.phases``), and
     ``consensus_estimate`` how far apart this node and its neighbours are: the relative change
-    of the model by mixing, ``||x after - x before|| / ||x||``, measured every
-    ``CONSENSUS_EVERY`` rounds on an evenly strided sample of at most ``CONSENSUS_SAMPLE``
-    parameters (0 once the nodes agree; None before the first measurement).
+    of the model by mixing, ``||x after - x before|| / ||x||`` (before an outer step, which
+    moves it too), measured in the first round ``CONSENSUS_EVERY`` steps after the last, on an
+    evenly strided sample of at most ``CONSENSUS_SAMPLE`` parameters (0 once the nodes agree;
+    None before the first measurement).
 
     Args:
         optimizer: the local optimizer; its parameters are moved into one flat buffer.
@@ -241,6 +242,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         self.phases = PhaseTimer(peer.now)
         self.consensus_estimate: float | None = None
         self._before_mixing: np.ndarray | None = None
+        self._steps_since_sample = 0
         self._overlapping = False  # forward pre-hooks wait for the upload (overlap_upload)
         # one lock for the local step and the mixing: a background exchanger mixes at any time
         self._lock = lock if lock is not None else threading.Lock()
@@ -352,11 +354,13 @@ class GossipOptimizer(torch.optim.Optimizer):
             self.step_count += 1
             self._steps_since_round += 1
             round_due = self._steps_since_round >= self.steps_per_round
-            sampled = round_due and self.averager.round % CONSENSUS_EVERY == CONSENSUS_EVERY - 1
+            self._steps_since_sample += 1
+            sampled = round_due and self._steps_since_sample >= CONSENSUS_EVERY
             if sampled or ((round_due or background) and not self.mixes_in_place):
                 self.flat.copy_to_host()
             if sampled:
                 self._before_mixing = self._consensus_sample().copy()
+                self._steps_since_sample = 0
         if self.period_agreement is not None and self._last_step_end is not None:
             self.period_agreement.observe(step_s=self.peer.now() - self._last_step_end)
         self._round_ran = round_due
@@ -409,6 +413,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._mix()
         with self._lock:
             if outer is not None:
+                self._estimate_consensus(from_device=self.mixes_in_place)  # (before it moves them)
                 mixed = self.last_round  # (None: an algorithm that mixes in the background)
                 outer.after_mixing(params, mixed.expected if mixed else 0, mixed.arrived if mixed else 0)
             if not self.mixes_in_place:
@@ -448,11 +453,14 @@ class GossipOptimizer(torch.optim.Optimizer):
             self.flat.overlap_upload(model, blocks)
             self._overlapping = True
 
-    def _estimate_consensus(self) -> None:
-        """Before a local step: how far mixing (in the round, or in the background since) moved
-        the model from its copy taken after the last sampled local step."""
+    def _estimate_consensus(self, *, from_device: bool = True) -> None:
+        """How far mixing (in the round, or in the background since) moved the model from its
+        copy taken after the last sampled local step: before the next local step, or, with an
+        outer step, between mixing and the outer step (``from_device``: the device has the
+        newest parameters, as it has before a local step in every mode)."""
         if self._before_mixing is not None:
-            self.flat.copy_to_host()  # (the device has the newest parameters now, in every mode)
+            if from_device:
+                self.flat.copy_to_host()
             self.consensus_estimate = relative_distance(self._consensus_sample(), self._before_mixing)
             self._before_mixing = None
 

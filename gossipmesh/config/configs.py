@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from gossip import Algorithm, Codec, IncompatibleOptionsError, PeerNetwork, RobustRule
-from gossip.algorithms.registry import AUTO, choose_algorithm
+from gossip.algorithms.registry import AUTO, choose_algorithm, choose_local_steps
 from gossipmesh.config import options as o
 from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
 from gossipmesh.sim.allreduce import RingAllreduce
@@ -146,6 +146,9 @@ class Averaging(Options):
         }
         try:
             if str(self.algorithm) == AUTO:  # (parsed as text: from here on, the one chosen)
+                if local_steps := choose_local_steps(**options):
+                    object.__setattr__(self, "local_steps", local_steps)
+                    options.update(average_every=local_steps, outer_step=True)
                 object.__setattr__(self, "algorithm", choose_algorithm(**options))
             if isinstance(self.algorithm, Algorithm):  # (the simulator's allreduce is a time model)
                 self.algorithm.check(**options)
@@ -155,6 +158,16 @@ class Averaging(Options):
     def in_flags(self, message: str) -> str:
         """A message of the library in these options' words (see :func:`in_flags`)."""
         return in_flags(message, {"average_every": "--local-steps"} if self.local_steps else None)
+
+    @property
+    def averaging(self) -> str:
+        """The algorithm and how often it averages, in words (``dpsgd, a round every 10 local
+        steps with an outer step``)."""
+        every = self.local_steps or self.average_every
+        period = {1: "", AUTO: ", a round every H local steps the mesh agrees on"}.get(
+            every, f", a round every {every} local steps"
+        )
+        return f"{self.algorithm}{period}{' with an outer step' if self.local_steps else ''}"
 
     @property
     def graph(self) -> Topology:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gossip import ALGORITHMS, CODECS, Algorithm, Codec
+from gossip.algorithms.registry import AUTO, AUTO_LOCAL_STEPS
 from gossipmesh.config import values
 from gossipmesh.config.values import Corruption
 from gossipmesh.logs import LOG_FORMATS
@@ -136,11 +137,12 @@ TOPOLOGY = Option(
 ALGORITHM = Option(
     values.algorithm,
     lambda: (
-        f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}; or auto: the "
-        "first of adpsgd, sgp, dpsgd, choco that works with the other options (dpsgd first with "
-        "--local-steps or --average-every)"
+        f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}; or auto (the "
+        f"default): --local-steps {AUTO_LOCAL_STEPS} over dpsgd:stragglers=tolerate, the measured "
+        "best, unless other options rule it out; then the first of adpsgd, sgp, dpsgd, choco "
+        "that works with them"
     ),
-    Algorithm("dpsgd"),
+    AUTO,
 )
 COMPRESSION = Option(
     Codec.parse,

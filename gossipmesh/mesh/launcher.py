@@ -192,7 +192,7 @@ def run_mesh(config: MeshConfig, node_main: NodeMain, stream: TextIO | None = No
     run_dir.mkdir(parents=True, exist_ok=True)
     report_path = config.report or run_dir / "report.json"
     print(
-        f"gossipmesh mesh: {config.nodes} nodes, {config.graph} topology, {config.algorithm}, "
+        f"gossipmesh mesh: {config.nodes} nodes, {config.graph} topology, {config.averaging}, "
         f"task {config.task}; logs in {run_dir}",
         file=stream,
         flush=True,  # a buffered line would be written again by every forked node
