@@ -31,7 +31,7 @@ from meshrun import quiet_mesh
 
 PLAIN_TOPK = "topk:0.01,values=float32,dense_every=0"
 ARMS: dict[str, list[str]] = {
-    "dpsgd": [],
+    "dpsgd": ["--algorithm", "dpsgd"],
     "fp16": ["--algorithm", "choco", "--compression", "fp16"],
     "bf16": ["--algorithm", "choco", "--compression", "bf16"],
     "int8": ["--algorithm", "choco", "--compression", "int8"],
@@ -42,8 +42,8 @@ ARMS: dict[str, list[str]] = {
     "topk:0.01 before": ["--algorithm", "choco:gamma=0.02", "--compression", PLAIN_TOPK],
     "topk:0.01 float32": ["--algorithm", "choco", "--compression", PLAIN_TOPK],  # the adaptive γ alone
     "randk:0.1": ["--algorithm", "choco", "--compression", "randk:0.1"],
-    "H=10": ["--local-steps", "10"],
-    "H=50": ["--local-steps", "50"],
+    "H=10": ["--local-steps", "10", "--algorithm", "dpsgd"],
+    "H=50": ["--local-steps", "50", "--algorithm", "dpsgd"],
     "H=10 overlap": ["--local-steps", "10", "--algorithm", "dpsgd:overlap=1"],
     "H=50 overlap": ["--local-steps", "50", "--algorithm", "dpsgd:overlap=1"],
     "H=10+int8": ["--local-steps", "10", "--algorithm", "choco", "--compression", "int8"],

@@ -43,8 +43,8 @@ from gossipmesh.tasks.digits import DigitsTask
 TARGET = 0.93
 SIZES = (10**6, 10**7, 10**8)
 MESHES = {
-    "dpsgd": [],
-    "dpsgd bfloat16": ["--dtype", "bfloat16"],
+    "dpsgd": ["--algorithm", "dpsgd"],
+    "dpsgd bfloat16": ["--algorithm", "dpsgd", "--dtype", "bfloat16"],
     "choco int8": ["--algorithm", "choco", "--compression", "int8"],
 }
 BFLOAT16_STEP = 2.0**-7  # relative spacing of bfloat16 values

@@ -84,7 +84,7 @@ def _run(arm: str, rank: int, ports: list[int], args: argparse.Namespace, out: C
     if arm == "gossip":
         contact = {"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}
         flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": "2",
-                 "id": f"node-{rank}", **contact}  # fmt: skip
+                 "id": f"node-{rank}", "algorithm": "dpsgd", **contact}  # fmt: skip
         config = load(NodeConfig, flags)
         peer = gossipmesh.connect(config, model)
         optimizer = config.gossip_optimizer(optimizer, peer, model=model)

@@ -31,14 +31,13 @@ from meshrun import quiet_mesh
 from gossipmesh.mesh import netns
 
 ARMS: dict[str, list[str]] = {
-    "dpsgd": [],
+    "dpsgd": ["--algorithm", "dpsgd"],
+    "default": [],  # --algorithm auto: 10 local steps over dpsgd:stragglers=tolerate
     "adpsgd": ["--algorithm", "adpsgd"],
     "sgp": ["--algorithm", "sgp"],
     **{arm: COMPRESSION_ARMS[arm] for arm in ("int8", "topk:0.01", "H=10", "H=10+int8", "H=10 overlap")},
-    "H=auto": [
-        "--local-steps",
-        "auto",
-    ],  # the mesh agrees on H from measured times (gossip.tuning.auto_period)
+    # the mesh agrees on H from measured times (gossip.tuning.auto_period)
+    "H=auto": ["--local-steps", "auto", "--algorithm", "dpsgd"],
     "H=auto+int8": ["--local-steps", "auto", "--algorithm", "choco", "--compression", "int8"],
     "auto codec": ["--algorithm", "choco", "--compression", "auto"],  # gossip.tuning.auto_codec
     "H=auto+auto codec": ["--local-steps", "auto", "--algorithm", "choco", "--compression", "auto"],
