@@ -378,6 +378,27 @@ def test_with_an_outer_step_the_consensus_estimate_is_what_mixing_moved() -> Non
         assert optimizers[1].consensus_estimate == pytest.approx(1 / 2, rel=1e-6)  # |2 - 3| / |2|
 
 
+def test_an_overlapped_outer_step_is_guarded_by_what_the_last_round_mixed() -> None:
+    """With ``overlap=1`` the outer step comes before the round's mixing, on the node's own
+    progress: after a round that mixed none of its neighbour's values (a member that never
+    sends) it is held, as it is after a round that mixes too little without overlap."""
+    network = MemoryNetwork()
+    network.join("silent")  # a member whose values never come
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = GossipOptimizer(
+        torch.optim.SGD([param], lr=0.1), peer=network.join("a"), topology=Topology("complete"),
+        algorithm=Algorithm.parse("dpsgd:overlap=1"), average_every=10, outer_lr=0.7, round_timeout=0.05,
+    )  # fmt: skip
+    with closing(optimizer):
+        for _ in range(50):
+            param.grad = torch.ones(4)
+            optimizer.step()
+        assert optimizer.round == 5
+        # rounds 1 and 2 follow no round that expected a value (the first overlapped round mixes
+        # nothing); rounds 3-5 follow rounds that expected one and mixed none
+        assert optimizer.outer is not None and optimizer.outer.rounds_held == 3
+
+
 def test_compression_needs_choco_and_choco_needs_a_static_graph() -> None:
     network = MemoryNetwork()
     with pytest.raises(ValueError, match="compression=int8 needs algorithm=choco"):

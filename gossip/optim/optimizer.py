@@ -398,13 +398,16 @@ class GossipOptimizer(torch.optim.Optimizer):
         """A gossip round, with the outer step around it in local-steps training: after the
         mixing; or, when the algorithm mixes a round late, before it, so the new anchor is what
         goes out and mixing corrects the anchor without passing through the outer momentum
-        (momentum on a one-round-old correction diverges)."""
+        (momentum on a one-round-old correction diverges). Either way the outer step is held
+        after a round that mixed too little (``OuterNesterov.after_mixing``): before the mixing,
+        that is the last round."""
         outer, params = self.outer, self.flat.array
         if self.local_group is not None:
             self.local_group.share_view(self.peer)
         if outer is not None and self.averager.overlap:
             with self._lock:
-                outer.step(params)
+                last = self.last_round
+                outer.after_mixing(params, last.expected if last else 0, last.arrived if last else 0)
             self._mix()
             with self._lock:
                 outer.move_anchor(params)

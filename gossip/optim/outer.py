@@ -16,7 +16,9 @@ node's own does not. A round that mixed in fewer than ``MIN_MIXED_SHARE`` of the
 (its neighbours' fell behind or their link is slow) therefore takes the parameters as they are
 for the new anchor, keeping the momentum, as plain local SGD would: a node cut off from its
 neighbours trains on alone instead of overshooting on its own steps (with the outer step every
-round, such a node of a local-steps mesh behind a 10 Mbit/s link went from 0.9 to 0.097).
+round, such a node of a local-steps mesh behind a 10 Mbit/s link went from 0.9 to 0.097). Where
+the algorithm mixes a round late (``overlap``), the outer step comes before the round's mixing,
+on the node's own progress, and the round before decides it.
 """
 
 from __future__ import annotations
