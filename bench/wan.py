@@ -25,10 +25,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 from compression import ARMS as COMPRESSION_ARMS
-from matplotlib import pyplot
+from matplotlib import colormaps, pyplot
 from meshrun import quiet_mesh
 
 from gossipmesh.mesh import netns
+
+COLOURS = colormaps["tab20"]  # one colour an arm (the default cycle repeats after 10)
 
 ARMS: dict[str, list[str]] = {
     "dpsgd": ["--algorithm", "dpsgd"],
@@ -56,12 +58,13 @@ def reached(nodes: list[dict[str, Any]], target: float) -> float:
 
 
 def lowest_curve(nodes: list[dict[str, Any]], step_s: float = 0.5) -> tuple[list[float], list[float]]:
-    """The lowest node's accuracy against mesh time."""
+    """The lowest node's accuracy against mesh time (each node's latest evaluation, so a node
+    that falls back shows)."""
     end = min(n["timeline"][-1]["t"] for n in nodes)
     times = [i * step_s for i in range(int(end / step_s) + 1)]
 
     def at(timeline: list[dict[str, Any]], t: float) -> float:
-        return max((p["accuracy"] for p in timeline if p["t"] <= t), default=0.0)
+        return next((p["accuracy"] for p in reversed(timeline) if p["t"] <= t), 0.0)
 
     return times, [min(at(n["timeline"], t) for n in nodes) for t in times]
 
@@ -123,7 +126,7 @@ def main() -> None:
                 f"{setting:>12} {arm:<14} {seconds:>11.1f} {shown:>8} {final:>6.3f} {mb:>8.1f}",
                 flush=True,
             )
-            axis.plot(*lowest_curve(nodes), label=arm)
+            axis.plot(*lowest_curve(nodes), label=arm, color=COLOURS(arms.index(arm) % COLOURS.N))
         axis.set(title=f"uplinks {setting} Mbit/s", xlabel="wall time (s)", ylabel="lowest node's accuracy")
         axis.axhline(args.target, color="grey", linestyle=":")
         axis.legend(fontsize="small")
