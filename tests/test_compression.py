@@ -331,8 +331,8 @@ def test_outer_nesterov_step_matches_its_definition() -> None:
 
 def test_a_round_that_mixed_too_little_takes_no_outer_step() -> None:
     """The outer momentum extrapolates a neighbourhood's progress: a round that mixed in under
-    half of the values it expected keeps the parameters as they are for the anchor, and the
-    momentum for the next round that mixes enough."""
+    half of the values it expected, or that caught up with the mesh, keeps the parameters as
+    they are for the anchor, and the momentum for the next round that takes the step."""
     params = np.array([1.0, 2.0], dtype=np.float32)
     outer = OuterNesterov(params, lr=0.5, momentum=0.9)
     params[:] = [0.0, 2.0]
@@ -347,6 +347,14 @@ def test_a_round_that_mixed_too_little_takes_no_outer_step() -> None:
     np.testing.assert_array_equal(outer.velocity, velocity)
     assert outer.after_mixing(params, expected=0, arrived=0)  # no neighbours: nothing missing
     assert outer.rounds_held == 1
+    caught_up = params + 5.0  # a straggler's round that skipped to the mesh's: all came
+    params[:] = caught_up
+    velocity = outer.velocity.copy()
+    assert not outer.after_mixing(params, expected=2, arrived=2, caught_up=True)
+    np.testing.assert_array_equal(params, caught_up)
+    np.testing.assert_array_equal(outer.anchor, caught_up)
+    np.testing.assert_array_equal(outer.velocity, velocity)
+    assert outer.rounds_held == 2
 
 
 def test_with_an_outer_step_the_consensus_estimate_is_what_mixing_moved() -> None:

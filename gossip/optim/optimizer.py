@@ -400,7 +400,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         goes out and mixing corrects the anchor without passing through the outer momentum
         (momentum on a one-round-old correction diverges). Either way the outer step is held
         after a round that mixed too little (``OuterNesterov.after_mixing``): before the mixing,
-        that is the last round."""
+        that is the last round; and on a round that skipped ahead to catch up with the mesh."""
         outer, params = self.outer, self.flat.array
         if self.local_group is not None:
             self.local_group.share_view(self.peer)
@@ -413,12 +413,15 @@ class GossipOptimizer(torch.optim.Optimizer):
                 outer.move_anchor(params)
                 self._upload()
             return
+        before = self.last_round
         self._mix()
         with self._lock:
             if outer is not None:
                 self._estimate_consensus(from_device=self.mixes_in_place)  # (before it moves them)
                 mixed = self.last_round  # (None: an algorithm that mixes in the background)
-                outer.after_mixing(params, mixed.expected if mixed else 0, mixed.arrived if mixed else 0)
+                caught_up = mixed is not None and before is not None and mixed.round > before.round + 1
+                expected, arrived = (mixed.expected, mixed.arrived) if mixed else (0, 0)
+                outer.after_mixing(params, expected, arrived, caught_up=caught_up)
             if not self.mixes_in_place:
                 self._upload()
 
@@ -543,7 +546,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         return self.averager.round
 
     def _outer_report(self) -> dict[str, float]:
-        """With an outer step: the rounds that mixed too little to take it (``outer.MIN_MIXED_SHARE``)."""
+        """With an outer step: the rounds that did not take it (mixed too little, or caught up)."""
         return {} if self.outer is None else {"outer_rounds_held": self.outer.rounds_held}
 
     def statistics(self) -> GossipStatistics:
