@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gossip import ALGORITHMS, CODECS, Algorithm, Codec
-from gossip.algorithms.registry import AUTO, AUTO_LOCAL_STEPS
+from gossip.algorithms.registry import AUTO, AUTO_LOCAL_STEPS, LOCAL_STEPS_ALGORITHM
 from gossipmesh.config import values
 from gossipmesh.config.values import Corruption
 from gossipmesh.logs import LOG_FORMATS
@@ -138,7 +138,7 @@ ALGORITHM = Option(
     values.algorithm,
     lambda: (
         f"averaging algorithm, NAME or NAME:key=value,...: {', '.join(ALGORITHMS)}; or auto (the "
-        f"default): --local-steps {AUTO_LOCAL_STEPS} over dpsgd:stragglers=tolerate, the measured "
+        f"default): --local-steps {AUTO_LOCAL_STEPS} over {LOCAL_STEPS_ALGORITHM}, the measured "
         "best, unless other options rule it out; then the first of adpsgd, sgp, dpsgd, choco "
         "that works with them"
     ),
