@@ -730,13 +730,15 @@ def test_a_sharded_machine_killed_and_restarted_rejoins_from_its_shards(tmp_path
         mesh = HostMesh(hosts, tmp_path, *flags)
         mesh.start_all()
         ranks = _rank_pids(mesh, 2)
+        shards = (mesh.state(2), mesh.state(2) / "rank-1")
+        assert wait_until(lambda: all(load_newest(folder) is not None for folder in shards))
         mesh.signal(2, signal.SIGKILL)  # the machine dies: its ranks die with their supervisor
         for pid in ranks:
             while (
                 Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
             ):
                 time.sleep(0.05)
-        left_off = [load_newest(mesh.state(2)), load_newest(mesh.state(2) / "rank-1")]
+        left_off = [load_newest(folder) for folder in shards]
         restarted_at = mesh.clock()
         mesh.start(2, expect=3, bootstrap=0, logs="restart")
         mesh.wait()
