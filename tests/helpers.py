@@ -70,11 +70,12 @@ def average_in_threads(
     round durations. Each wait for a neighbour lasts up to ``timeout`` (:func:`full_waits`).
     With ``history``, node i's vector after each round is appended to ``history[i]``; with
     ``stats``, what each round of node i mixed to ``stats[i]``.
-    ``algorithm`` is every node's, or a list of each node's."""
+    ``algorithm`` is every node's, or a list of each node's; one that takes ``stragglers=``
+    and leaves it unset waits for every neighbour (``wait``), as :func:`full_waits` does."""
     durations: list[list[float]] = [[] for _ in peers]
     errors: list[BaseException] = []
     names = [algorithm] * len(peers) if isinstance(algorithm, str) else algorithm
-    specs = [Algorithm.parse(name) for name in names]
+    specs = [waiting(Algorithm.parse(name)) for name in names]
 
     def run(i: int, averager: Averager) -> None:
         try:
@@ -108,6 +109,15 @@ def average_in_threads(
     if errors:
         raise errors[0]
     return durations
+
+
+def waiting(spec: Algorithm) -> Algorithm:
+    """``spec`` with ``stragglers=wait`` where it takes that option and leaves it unset: a test
+    of the math must see every value of every round, even one a busy machine delayed (tolerant,
+    a node would pass a descheduled neighbour over, or hold a value back from a busy link)."""
+    if "stragglers" not in spec.family.params.accepted or "stragglers" in spec.options:
+        return spec
+    return Algorithm(spec.name, tuple(sorted({**spec.options, "stragglers": "wait"}.items())))
 
 
 def full_waits() -> AbstractContextManager[object]:

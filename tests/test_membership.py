@@ -8,7 +8,7 @@ import pytest
 from helpers import HANG_S, addresses, started_peers, wait_until
 
 from p2p import Peer, TransportError
-from p2p.membership.protocol import PROFILES, Membership
+from p2p.membership.protocol import NOT_YET, PROFILES, Membership
 from p2p.membership.table import Member, MemberTable, Status, refuted
 
 A = "tcp://127.0.0.1:7001"
@@ -173,9 +173,9 @@ def test_joiner_waits_for_its_first_round() -> None:
 def test_members_starting_together_wait_at_round_zero_for_the_slowest() -> None:
     """A member counts for round 0 only once it says it is ready to train, so a node seconds
     slower to start (imports, data) is waited for instead of averaged around."""
-    first = Peer("a", addresses(1)[0], first_round=2**62)
+    first = Peer("a", addresses(1)[0], first_round=NOT_YET)
     first.start()
-    slow = Peer("b", addresses(1)[0], [first.address], first_round=2**62)
+    slow = Peer("b", addresses(1)[0], [first.address], first_round=NOT_YET)
     slow.start()
     try:
         first.wait_ready(HANG_S, expect=2)
@@ -183,6 +183,11 @@ def test_members_starting_together_wait_at_round_zero_for_the_slowest() -> None:
         not_ready = "only 1 of the 2 expected members were ready to train round 0"
         with pytest.raises(TransportError, match=not_ready):
             first.wait_ready(0.5, expect=2, round=0)
+        # a joiner's wait names no round (it waits for those that announced any first round)
+        with pytest.raises(
+            TransportError, match="only 1 of the 2 expected members were ready to train within"
+        ):
+            first.wait_ready(0.5, expect=2, round=NOT_YET - 1)
         slow.start_at_round(0)
         first.wait_ready(HANG_S, expect=2, round=0)
         assert first.members(0) == {"a", "b"}

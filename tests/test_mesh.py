@@ -143,7 +143,7 @@ def test_mesh_runs_on_every_topology(name: str, tmp_path: Path, no_other_threads
         "--run-dir",
         str(tmp_path),
         "--algorithm",
-        "dpsgd",  # a round every step, to every neighbour the graph gives
+        "dpsgd:stragglers=wait",  # a round every step, to every neighbour the graph gives
         "--plot",
         "none",  # drawn in test_observability; 15 meshes here
         "--insecure",  # CURVE is the default mesh's and test_security's subject, not the graph's

@@ -9,9 +9,9 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from helpers import full_waits, run_together
+from helpers import full_waits, run_together, waiting
 
-from gossip import GossipOptimizer, IncompatibleOptionsError
+from gossip import Algorithm, GossipOptimizer, IncompatibleOptionsError
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import Topology
 
@@ -31,6 +31,7 @@ def _quadratics(*, momentum: float, quasi_global: float) -> tuple[float, float]:
             peer=network.join(f"node-{i}"),
             topology=Topology("ring"),
             round_timeout=30,
+            algorithm=waiting(Algorithm("dpsgd")),
             quasi_global_momentum=quasi_global,
         )
         for i, p in enumerate(params)

@@ -9,7 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from helpers import full_waits, run_together
+from helpers import full_waits, run_together, waiting
 
 from gossip import Algorithm, FlatParameters, GossipOptimizer, IncompatibleOptionsError
 from gossipmesh.sim.links import VirtualPeer
@@ -29,6 +29,7 @@ def _optimizer(param: torch.nn.Parameter, network: MemoryNetwork, name: str) -> 
         peer=network.join(name),
         topology=Topology("ring"),
         round_timeout=30,
+        algorithm=waiting(Algorithm("dpsgd")),
         mix_momentum=True,
     )
 

@@ -24,13 +24,14 @@ renormalisation: the node just does not move towards it.
 
 Every holder must receive every q of its sender, so CHOCO runs on static undirected graphs.
 
-Stragglers (with ``stragglers=tolerate``; the default waits) as in D-PSGD (``gossip.algorithms.pace``): a
-round does not wait for a neighbour whose q's arrive consistently later than the others'; its
-replica is mixed at the version it has reached, within the age its lag predicts, the pair weight
-divided by (1 + age). A node whose neighbours are ``catch_up`` (2) or more rounds ahead skips to
-the round after theirs and sends its public copy as of the round before it (``CHOCO_FULL``), so
-its holders' replicas go on from there without asking. Mixing a replica of another round breaks
-the pair terms' cancellation: the mean of the models is then no longer kept exactly.
+Stragglers (``stragglers=tolerate``, the default; ``wait`` waits for every neighbour) as in D-PSGD
+(``gossip.algorithms.pace``): a round does not wait for a neighbour whose q's arrive consistently
+later than the others'; its replica is mixed at the version it has reached, within the age its lag
+predicts, the pair weight divided by (1 + age). A node whose neighbours are ``catch_up`` (2) or
+more rounds ahead skips to the round after theirs and sends its public copy as of the round before
+it (``CHOCO_FULL``), so its holders' replicas go on from there without asking. Mixing a replica of
+another round breaks the pair terms' cancellation: the mean of the models is then no longer kept
+exactly.
 
 What arrives is checked where it is used: a q must decode to finite values (the codecs refuse
 anything else), a full copy must be finite, and a replica that the q's of a diverged neighbour
@@ -162,8 +163,8 @@ class CHOCO(Averager):
     codec: the compressor Q (``gossip.compression.Codec.parse``).
     gamma: the consensus step size γ in (0, 1]; None: 1 for a dense codec, adaptive for a
         sparse one (:class:`StepSize`).
-    stragglers: "tolerate": do not wait for a neighbour measured to lag behind the others;
-        "wait": wait for every neighbour.
+    stragglers: "tolerate" (the default): do not wait for a neighbour measured to lag behind the
+        others; "wait": wait for every neighbour.
     catch_up: skip ahead when the neighbours are this many rounds ahead; 0: never; None:
         ``pace.CATCH_UP`` when tolerating stragglers.
     """
@@ -180,7 +181,7 @@ class CHOCO(Averager):
         *,
         codec: Codec,
         gamma: float | None = None,
-        stragglers: str = "wait",
+        stragglers: str = "tolerate",
         catch_up: int | None = None,
         **common: Unpack[AveragerOptions],
     ) -> None:

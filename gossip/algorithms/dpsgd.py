@@ -8,13 +8,14 @@ exactly. The graph may be directed or change every round (``one-peer-exponential
 ``random-matching``): each round's row comes from the topology, and from the membership of that
 round (``peer.members(round)``), so a node that left after round R is in the graph up to R.
 
-Stragglers: by default (``stragglers=wait``) a round waits for every neighbour, bounded by the
-round's wait limit. With ``stragglers=tolerate`` it does not wait for a neighbour whose values
-have arrived consistently later than the others' (its lag measured against this node's sends,
-``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within
-the age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead
-of it catches up (below, ``catch_up=2``). Tolerance is not the default: on a loaded machine a
-neighbour slowed by the machine's own jitter is passed over too, and the mean is no longer exact.
+Stragglers: by default (``stragglers=tolerate``) a round does not wait for a neighbour whose
+values have arrived consistently later than the others' (its lag measured against this node's
+sends, ``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late,
+within the age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run
+ahead of it catches up (below, ``catch_up=2``). The mean is then no longer kept exactly, and on a
+loaded machine a neighbour slowed by the machine's own jitter is passed over too: with
+``stragglers=wait`` a round waits for every neighbour, bounded by the round's wait limit, and the
+mean is exact whenever every value comes (a mesh then runs at its slowest node's pace).
 With ``backup=k`` a round proceeds as soon as k of the neighbours it waits for are in (backup
 workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is mixed in
 with its newest value from the last s rounds, its weight divided by (1 + age) and the rest left
@@ -77,14 +78,15 @@ OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed m
 class DPSGD(Averager):
     """Args are those of :class:`~gossip.algorithms.averager.Averager`, plus:
 
-    stragglers: "tolerate": do not wait for a neighbour measured to lag behind the others (see
-        above); "wait": wait for every neighbour.
+    stragglers: "tolerate" (the default): do not wait for a neighbour measured to lag behind the
+        others (see above); "wait": wait for every neighbour.
     backup: proceed once this many neighbours' values are in (0: wait for all of them).
     overlap: 1: mix the values of the previous round (see above); 0: of this round.
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
     exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
     catch_up: skip ahead when the neighbours are this many rounds ahead (see above); 0: never;
-        None: ``pace.CATCH_UP`` when tolerating stragglers without overlap, else never.
+        None: ``pace.CATCH_UP`` when tolerating stragglers without overlap on a static graph,
+        else never.
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.algorithms.robust``).
     """
 
@@ -103,7 +105,7 @@ class DPSGD(Averager):
         max_rounds_ahead: int = 64,
         robust: RobustRule | None = None,
         exact_every: int = 0,
-        stragglers: str = "wait",
+        stragglers: str = "tolerate",
         catch_up: int | None = None,
         **common: Unpack[AveragerOptions],
     ) -> None:
@@ -124,7 +126,12 @@ class DPSGD(Averager):
         self._max_ahead = max_rounds_ahead
         self._early: defaultdict[int, dict[str, Frames]] = defaultdict(dict)
         self._recent: dict[str, tuple[int, Frames]] = {}  # newest late value of each sender
-        self.pace = pace_option(self.name, stragglers, catch_up, overlap, holds_back=True)
+        # Skipping mixes this round's values, which overlap does not; and on a time-varying graph
+        # neighbours' rounds drift apart with no one lagging (each waits only for this round's
+        # peers), so hearing one rounds ahead says nothing of being left behind: skipping there
+        # would leave the peers that wait for this node's value of a skipped round without it.
+        may_skip = not overlap and not self.topology.family.time_varying
+        self.pace = pace_option(self.name, stragglers, catch_up, may_skip=may_skip, holds_back=True)
         self._stragglers: set[str] = set()  # this round's neighbours not waited for
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
 

@@ -152,15 +152,15 @@ class Pace:
 
 
 def pace_option(
-    algorithm: str, stragglers: str, catch_up: int | None, overlap: int = 0, holds_back: bool = False
+    algorithm: str, stragglers: str, catch_up: int | None, *, may_skip: bool = True, holds_back: bool = False
 ) -> Pace:
     """The pace of a synchronous algorithm's options ``stragglers=`` and ``catch_up=``; an
     unset ``catch_up`` is ``CATCH_UP`` for a node that tolerates stragglers (which leave it
-    behind when it is the slow one) and mixes this round's values (no ``overlap``), else 0.
+    behind when it is the slow one) where the algorithm ``may_skip`` rounds, else 0.
     ``holds_back``: see :class:`Pace`."""
     if stragglers not in STRAGGLERS:
         raise ValueError(f"{algorithm} stragglers is one of {', '.join(STRAGGLERS)}, got {stragglers!r}")
     tolerate = stragglers == "tolerate"
     if catch_up is None:
-        catch_up = CATCH_UP if tolerate and not overlap else 0
+        catch_up = CATCH_UP if tolerate and may_skip else 0
     return Pace(tolerate=tolerate, catch_up=catch_up, holds_back=holds_back)

@@ -52,12 +52,14 @@ _COUNT = number(int, at_least=0)
 _STALENESS = {"staleness": _COUNT}
 _STRAGGLERS = choice(STRAGGLERS)
 _STRAGGLERS_DOC = (
-    "`stragglers` (`wait`): wait for every neighbour; `tolerate`: do not wait for a neighbour whose "
-    "values arrive consistently later than the others' (measured; mixed when in, or late within the "
-    "age its lag predicts; the report's `staleness.stragglers_passed_over`)"
+    "`stragglers` (`tolerate`): do not wait for a neighbour whose values arrive consistently later "
+    "than the others' (measured; mixed when in, or late within the age its lag predicts; the report's "
+    "`staleness.stragglers_passed_over`); `wait`: wait for every neighbour, which keeps the mean exact "
+    "and runs the mesh at its slowest node's pace"
 )
 _CATCH_UP_DOC = (
-    f"`catch_up` ({CATCH_UP} with `stragglers=tolerate`, else 0 = never): a node that hears its "
+    f"`catch_up` ({CATCH_UP} with `stragglers=tolerate` on a static graph, else 0 = never): a node that "
+    "hears its "
     "neighbours that many rounds ahead skips to the round after theirs (a straggler otherwise falls "
     "ever further behind and mixes values long gone by; the report's `staleness.rounds_skipped`"
 )

@@ -96,7 +96,7 @@ class SGP(Averager):
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
-        self.pace = pace_option(self.name, stragglers, catch_up=0, overlap=overlap, holds_back=True)
+        self.pace = pace_option(self.name, stragglers, catch_up=0, holds_back=True)
         peer.take_pieces(self.kinds)
 
     @property

@@ -15,7 +15,7 @@ import numpy as np
 from p2p.endpoint.local_rank import encode_view
 from p2p.endpoint.shared import Endpoint
 from p2p.membership.beacon import Beacon
-from p2p.membership.protocol import PROFILES, DetectorProfile, Membership
+from p2p.membership.protocol import NOT_YET, PROFILES, DetectorProfile, Membership
 from p2p.security.curve import Curve
 from p2p.transport.network_thread import Transport, TransportError
 from p2p.wire import Limits
@@ -224,7 +224,12 @@ class Peer(Endpoint):
                 f"could not join through {where} within {timeout:g} s ({reason}); "
                 "check that a node runs there and is reachable, or raise timeout="
             )
-        what = "joined" if round is None else f"were ready to train round {round}"
+        if round is None:
+            what = "joined"
+        elif round >= NOT_YET - 1:  # (a joiner waits for the members that announced a first round)
+            what = "were ready to train"
+        else:
+            what = f"were ready to train round {round}"
         return (
             f"only {len(self.members(round))} of the {expect} expected members {what} within "
             f"{timeout:g} s; start the others, lower expect=, or raise timeout="
