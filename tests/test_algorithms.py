@@ -274,3 +274,23 @@ def test_algorithm_names_and_parameters() -> None:
             round_timeout=1,
             lock=None,
         )
+
+
+@pytest.mark.parametrize(
+    ("stragglers", "expected"), [("tolerate", (1.0 + 4.0 / 2 + 7.0 / 2) / 2), ("wait", 1.0)]
+)
+def test_tolerant_dpsgd_mixes_neighbours_values_that_all_come_a_round_late(
+    stragglers: str, expected: float
+) -> None:
+    """A node whose every neighbour is late (its downlink, or they, slower than its own steps):
+    none is a straggler beside the others, yet their values count, each weight halved for being
+    a round old; told to wait, it drops what came after the round it waited for."""
+    a, b, c = memory_mesh(3)
+    own = np.full(2, 1.0)
+    averager = DPSGD(a, own, topology=Topology.parse("ring"), round_timeout=0.05, stragglers=stragglers)
+    averager.average()  # round 0: nothing comes within its wait
+    b.send("node-0", "params", 0, [np.full(2, 4.0)])
+    c.send("node-0", "params", 0, [np.full(2, 7.0)])
+    stats = averager.average()  # round 1 takes the round-0 values, or drops them
+    assert stats.round == 1 and stats.arrived == (2 if stragglers == "tolerate" else 0)
+    np.testing.assert_allclose(own, expected)

@@ -66,11 +66,20 @@ def test_no_codec_decodes_to_non_finite_values(codec: Codec, frames: list[np.nda
 
 def _choco_pair(round_timeout: float = 0.2) -> tuple[CHOCO, np.ndarray, MemoryPeer]:
     """Node a running CHOCO (exact codec) on a ring with b, which the test plays by hand, and
-    b's full copy of ones already in a's inbox for round 0."""
+    b's full copy of ones already in a's inbox for round 0. It waits for b (``stragglers=wait``):
+    a round mixes b's replica only at that round, so a refused update leaves the model as it was
+    (tolerant, it would mix the replica a round old)."""
     network = MemoryNetwork()
     a, b = network.join("a"), network.join("b")
     params = np.zeros(SIZE, np.float32)
-    choco = CHOCO(a, params, topology=Topology.parse("ring"), codec=Codec(), round_timeout=round_timeout)
+    choco = CHOCO(
+        a,
+        params,
+        topology=Topology.parse("ring"),
+        codec=Codec(),
+        round_timeout=round_timeout,
+        stragglers="wait",
+    )
     b.send("a", FULL, 0, [np.ones(SIZE, np.float32)], {"gamma": 1.0})
     return choco, params, b
 

@@ -197,7 +197,6 @@ class CHOCO(Averager):
         self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
         self.pace = pace_option(self.name, stragglers, catch_up)
-        self._stragglers: set[str] = set()  # this round's neighbours not waited for
 
     def after_step(self) -> RoundStats:
         self._time_round()
@@ -263,8 +262,7 @@ class CHOCO(Averager):
             self._catch_up(replica, r)
             if replica.value is None:
                 self._ask_full_copy(j, replica)
-        self._stragglers = self.pace.stragglers(row.receive_from)
-        expected = set(row.receive_from) - self._silent - self._stragglers
+        expected = set(row.receive_from) - self._silent - self.pace.stragglers(row.receive_from)
         deadline = self.peer.now() + self.wait_limit()
         while True:
             waiting = {j for j in expected & members if self._replicas[j].next_round <= r}
@@ -351,8 +349,9 @@ class CHOCO(Averager):
 
     def _mix(self, r: int, row: MixingRow) -> set[str]:
         """x_i += Σ_j γ_ij w_ij (x̂_j - x̂_i) over the neighbours whose replica is at round r,
-        γ_ij = min(γ_i, γ_j) at round r (the same on both sides of the pair); a straggler's
-        replica at an earlier round within its age bound, w_ij divided by (1 + age)."""
+        γ_ij = min(γ_i, γ_j) at round r (the same on both sides of the pair); tolerating
+        stragglers, a replica at an earlier round within its age bound (whether or not its
+        node was waited for: see D-PSGD), w_ij divided by (1 + age)."""
         now = self.peer.now()
         usable: set[str] = set()
         total = 0.0
@@ -361,7 +360,7 @@ class CHOCO(Averager):
             if replica is None or replica.value is None:
                 continue
             age = r + 1 - replica.next_round
-            if age and (j not in self._stragglers or not 0 < age <= self.pace.age_bound(j, now)):
+            if age and (not self.pace.tolerate or not 0 < age <= self.pace.age_bound(j, now)):
                 continue
             weight = min(self._published_gamma, replica.gamma) * row.receive_from[j] / (1 + age)
             add_scaled(self.params, replica.value, weight, self._scratch)

@@ -8,12 +8,15 @@ exactly. The graph may be directed or change every round (``one-peer-exponential
 ``random-matching``): each round's row comes from the topology, and from the membership of that
 round (``peer.members(round)``), so a node that left after round R is in the graph up to R.
 
-Stragglers: by default (``stragglers=tolerate``) a round does not wait for a neighbour whose
-values have arrived consistently later than the others' (its lag measured against this node's
-sends, ``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late,
-within the age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run
-ahead of it catches up (below, ``catch_up=2``). The mean is then no longer kept exactly, and on a
-loaded machine a neighbour slowed by the machine's own jitter is passed over too: with
+Stragglers: by default (``stragglers=tolerate``) a round does not wait for a neighbour whose values
+have arrived consistently later than the others' (its lag measured against this node's sends,
+``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within
+the age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead of
+it catches up (below, ``catch_up=2``). Any neighbour's late value is mixed so, not only a
+straggler's: where every neighbour is late (this node's downlink, or its neighbours, slower than
+its own steps) none is a straggler beside the others, and dropping their values, which come after
+each round's wait, left such a node mixing nothing at all. The mean is then no longer kept exactly,
+and on a loaded machine a neighbour slowed by the machine's own jitter is passed over too: with
 ``stragglers=wait`` a round waits for every neighbour, bounded by the round's wait limit, and the
 mean is exact whenever every value comes (a mesh then runs at its slowest node's pace).
 With ``backup=k`` a round proceeds as soon as k of the neighbours it waits for are in (backup
@@ -132,7 +135,6 @@ class DPSGD(Averager):
         # would leave the peers that wait for this node's value of a skipped round without it.
         may_skip = not overlap and not self.topology.family.time_varying
         self.pace = pace_option(self.name, stragglers, catch_up, may_skip=may_skip, holds_back=True)
-        self._stragglers: set[str] = set()  # this round's neighbours not waited for
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
 
     def after_step(self) -> RoundStats:
@@ -243,12 +245,12 @@ class DPSGD(Averager):
             self._early_pieces[message.round].append(message)
         elif sender not in row.receive_from:
             self.dropped["not_a_neighbour"] += 1
-        elif age and (sender not in self._stragglers or age > self.pace.age_bound(sender, self.peer.now())):
+        elif age and (not self.pace.tolerate or age > self.pace.age_bound(sender, self.peer.now())):
             self._heard_from(sender)  # too late: it is sending again
             self.dropped["stale"] += 1
         elif self._mixing.setdefault(sender, message.round) != message.round:
             self.dropped["stale"] += 1  # (a round mixes one value a neighbour: the first it took)
-        else:  # this round's value, or a straggler's late one (discounted by its age)
+        else:  # this round's value, or a late one (discounted by its age)
             first = sender not in mix.senders
             if self._add(mix, sender, message, row.receive_from[sender] / (1 + age)):
                 self._heard_from(sender)
@@ -258,8 +260,7 @@ class DPSGD(Averager):
 
     def _waited(self, neighbours: set[str]) -> set[str]:
         """The neighbours this round waits for: all but the measured stragglers."""
-        self._stragglers = self.pace.stragglers(neighbours)
-        return neighbours - self._stragglers
+        return neighbours - self.pace.stragglers(neighbours)
 
     def _round_row(self, r: int) -> MixingRow:
         """The row of round ``r``: on the complete graph every ``exact_every``-th round."""

@@ -51,17 +51,23 @@ class AlgorithmFamily:
 _COUNT = number(int, at_least=0)
 _STALENESS = {"staleness": _COUNT}
 _STRAGGLERS = choice(STRAGGLERS)
-_STRAGGLERS_DOC = (
-    "`stragglers` (`tolerate`): do not wait for a neighbour whose values arrive consistently later "
-    "than the others' (measured; mixed when in, or late within the age its lag predicts; the report's "
-    "`staleness.stragglers_passed_over`); `wait`: wait for every neighbour, which keeps the mean exact "
-    "and runs the mesh at its slowest node's pace"
-)
+
+
+def _stragglers_doc(also: str = "") -> str:
+    """The docs of ``stragglers=``; ``also``: what else ``tolerate`` does in that algorithm."""
+    return (
+        "`stragglers` (`tolerate`): do not wait for a neighbour whose values arrive consistently later "
+        "than the others' (measured; mixed when in, or late within the age its lag predicts; the "
+        f"report's `staleness.stragglers_passed_over`){also}; `wait`: wait for every neighbour, which "
+        "keeps the mean exact and runs the mesh at its slowest node's pace"
+    )
+
+
 _CATCH_UP_DOC = (
-    f"`catch_up` ({CATCH_UP} with `stragglers=tolerate` on a static graph, else 0 = never): a node that "
-    "hears its "
-    "neighbours that many rounds ahead skips to the round after theirs (a straggler otherwise falls "
-    "ever further behind and mixes values long gone by; the report's `staleness.rounds_skipped`"
+    f"`catch_up` ({CATCH_UP} with `stragglers=tolerate` on a static graph, else 0 = never): a node "
+    "that hears its neighbours that many rounds ahead skips to the round after theirs (a straggler "
+    "otherwise falls ever further behind and mixes values long gone by; the report's "
+    "`staleness.rounds_skipped`"
 )
 FAMILIES: dict[str, AlgorithmFamily] = {
     family.averager.name: family
@@ -84,8 +90,11 @@ FAMILIES: dict[str, AlgorithmFamily] = {
                 "round's neighbours, waits (bounded) for theirs and mixes"
             ),
             parameters=(
-                f"{_STRAGGLERS_DOC}, and send a neighbour no value while two are still leaving for it (a "
-                "link that carries less than is sent: the report's `staleness.sends_held`); "
+                _stragglers_doc(
+                    ", and send a neighbour no value while two are still leaving for it (a link that "
+                    "carries less than is sent: the report's `staleness.sends_held`)"
+                )
+                + "; "
                 "`backup` (0 = all): proceed once that many neighbours' values are in (backup workers); "
                 "`overlap` (0; 1: mix the previous round's values, see [local "
                 "steps](compression.md#local-steps)); `staleness` (0); `exact_every` (0 = never): every "
@@ -141,7 +150,7 @@ FAMILIES: dict[str, AlgorithmFamily] = {
             parameters=(
                 "`gamma`: consensus step size (1 for dense codecs; for `topk` and `randk` adapted each "
                 "round to the share of the owed difference a message carries: [the consensus step "
-                f"size](compression.md#the-consensus-step-size)); {_STRAGGLERS_DOC}; {_CATCH_UP_DOC})"
+                f"size](compression.md#the-consensus-step-size)); {_stragglers_doc()}; {_CATCH_UP_DOC})"
             ),
         ),
     )
