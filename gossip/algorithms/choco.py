@@ -360,7 +360,7 @@ class CHOCO(Averager):
             if replica is None or replica.value is None:
                 continue
             age = r + 1 - replica.next_round
-            if age and (not self.pace.tolerate or not 0 < age <= self.pace.age_bound(j, now)):
+            if age and not self.pace.mixes_late(j, age, now):
                 continue
             weight = min(self._published_gamma, replica.gamma) * row.receive_from[j] / (1 + age)
             add_scaled(self.params, replica.value, weight, self._scratch)

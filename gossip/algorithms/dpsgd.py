@@ -245,7 +245,7 @@ class DPSGD(Averager):
             self._early_pieces[message.round].append(message)
         elif sender not in row.receive_from:
             self.dropped["not_a_neighbour"] += 1
-        elif age and (not self.pace.tolerate or age > self.pace.age_bound(sender, self.peer.now())):
+        elif age and not self.pace.mixes_late(sender, age, self.peer.now()):
             self._heard_from(sender)  # too late: it is sending again
             self.dropped["stale"] += 1
         elif self._mixing.setdefault(sender, message.round) != message.round:

@@ -124,6 +124,12 @@ class Pace:
         rounds = sum(1 for t in self._sent_at.values() if t >= now - lag)
         return max(1, 2 * rounds)
 
+    def mixes_late(self, sender: str, age: int, now: float) -> bool:
+        """Whether ``sender``'s value ``age`` rounds late is still mixed: only when tolerating
+        stragglers (a round that waited for every neighbour drops what missed it), and then
+        within :meth:`age_bound`, whoever sent it."""
+        return self.tolerate and 0 < age <= self.age_bound(sender, now)
+
     def skip_to(self, r: int, members: Iterable[str]) -> int | None:
         """The round to skip to from round ``r``: the one after the median of the newest rounds
         the members among the neighbours sent, when that is ``catch_up`` or more ahead; None to
