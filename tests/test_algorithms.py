@@ -182,6 +182,44 @@ def test_dpsgd_that_fell_behind_catches_up_to_its_neighbours_round() -> None:
         assert averager.pace.rounds_skipped == (10 if catch_up else 0)
 
 
+def behind_a_neighbour_at_round_10() -> tuple[MemoryNetwork, DPSGD, np.ndarray]:
+    """node-0 after its round 0 (10.0 mixed into 1.0: 5.5), its ring neighbour node-1's
+    values of rounds 1-10 (11.0-20.0) in, kept as early values."""
+    network = MemoryNetwork()
+    a, b = network.join("node-0"), network.join("node-1")
+    own = np.full(2, 1.0)
+    averager = DPSGD(a, own, topology=Topology.parse("ring"), round_timeout=30.0, catch_up=3)
+    for r in range(11):
+        b.send("node-0", "params", r, [np.full(2, 10.0 + r)])
+    averager.average()
+    return network, averager, own
+
+
+def test_a_straggler_whose_neighbour_left_skips_to_its_last_round_and_mixes_it() -> None:
+    """A neighbour whose step budget ended after round 10 (it left after it) takes part in no
+    later round: the straggler skips to round 10, whose value is here, not to 11, which would
+    mix nothing and drop that value."""
+    network, averager, own = behind_a_neighbour_at_round_10()
+    network.leave("node-1", after_round=10)
+    stats = averager.average()
+    assert stats.round == 10 and stats.arrived == 1
+    np.testing.assert_allclose(own, (5.5 + 20) / 2)
+    assert averager.pace.rounds_skipped == 9
+
+
+def test_a_straggler_that_skipped_past_a_leaving_neighbours_last_round_mixes_it_late() -> None:
+    """Where the leave comes after the skip was decided (to round 11, after the neighbour's
+    newest), the neighbour's value of round 10 is mixed late, discounted, rather than none."""
+    network, averager, own = behind_a_neighbour_at_round_10()
+    leaving = threading.Timer(0.1, lambda: network.leave("node-1", after_round=10))
+    leaving.start()  # (while round 11 waits for its value: the wait ends with the leave)
+    stats = averager.average()
+    leaving.join()
+    assert stats.round == 11 and stats.arrived == 1
+    # its weight 1/2 halved for a round late, the row renormalised over what came: 1/3
+    np.testing.assert_allclose(own, (2 * 5.5 + 20.0) / 3)
+
+
 def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() -> None:
     """Catching up goes by the median of the neighbours' newest rounds: a liar at round 10^9
     beside an honest neighbour at round 1 moves nothing."""

@@ -136,6 +136,7 @@ class DPSGD(Averager):
         may_skip = not overlap and not self.topology.family.time_varying
         self.pace = pace_option(self.name, stragglers, catch_up, may_skip=may_skip, holds_back=True)
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
+        self._held_over: list[Envelope] = []  # pieces of the round before the one skipped to
 
     def after_step(self) -> RoundStats:
         return self.average()
@@ -151,7 +152,7 @@ class DPSGD(Averager):
         """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
         the previous round's)."""
         self._time_round()
-        if (skip := self.pace.skip_to(self.round, self.peer.members())) is not None:
+        if (skip := self.pace.skip_to(self.round, self.peer.members)) is not None:
             self._skip_to(skip)
         r = self.round
         sending = self._round_row(r)
@@ -192,7 +193,15 @@ class DPSGD(Averager):
         return RoundStats(mixed, len(row.receive_from), len(values), wait_s, row.topology)
 
     def _skip_to(self, r: int) -> None:
+        """Go on from round ``r``, dropping what was kept for the rounds skipped but the values
+        of round r - 1: a neighbour whose value of r does not come has it mixed late instead
+        (its step budget ended after r - 1, and its leave was not heard when the skip was
+        decided; see ``Pace.skip_to``)."""
         self.round = r
+        self._held_over = self._early_pieces.pop(r - 1, [])
+        for sender, frames in self._early.pop(r - 1, {}).items():
+            if r - 1 > self._recent.get(sender, (-1, None))[0]:
+                self._recent[sender] = (r - 1, frames)
         for early in (self._early, self._early_pieces):
             for old in [k for k in early if k < r]:
                 del early[old]
@@ -223,6 +232,11 @@ class DPSGD(Averager):
                 waiting = {j for j in waiting if not mix.complete(j)}
         while (arrived := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
             self._take_piece(arrived, r, row, mix)
+        held_over, self._held_over = self._held_over, []
+        missing = {piece.sender for piece in held_over} - self._mixing.keys()
+        for piece in held_over:  # (after a skip: see _skip_to)
+            if piece.sender in missing:
+                self._take_piece(piece, r, row, mix)
         if timed_out:
             self._went_silent(waited - mix.senders)
         wait_s = self.peer.now() - started

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 LAG_SAMPLES = 8
 LAG_FACTOR = 1.5
@@ -130,20 +130,24 @@ class Pace:
         within :meth:`age_bound`, whoever sent it."""
         return self.tolerate and 0 < age <= self.age_bound(sender, now)
 
-    def skip_to(self, r: int, members: Iterable[str]) -> int | None:
+    def skip_to(self, r: int, members: Callable[[int], Collection[str]]) -> int | None:
         """The round to skip to from round ``r``: the one after the median of the newest rounds
-        the members among the neighbours sent, when that is ``catch_up`` or more ahead; None to
-        go on with ``r``. The median, so one neighbour naming a round far ahead cannot throw
-        the node forward."""
-        current = set(members)
-        self.newest = {j: k for j, k in self.newest.items() if j in current}
+        the neighbours taking part in round ``r`` sent (``members``: those of a round), when
+        that is ``catch_up`` or more ahead; None to go on with ``r``. The median, so one
+        neighbour naming a round far ahead cannot throw the node forward. Where none of them
+        takes part in the round after (they left after it: their step budgets ended), the
+        median itself, whose values are here: a round after theirs would mix nothing."""
+        taking_part = members(r)
+        self.newest = {j: k for j, k in self.newest.items() if j in taking_part}
         if not self.catch_up or not self.newest:
             return None
         ahead = statistics.median_low(self.newest.values())
         if ahead - r < self.catch_up:
             return None
-        self.rounds_skipped += ahead + 1 - r
-        return ahead + 1
+        going_on = members(ahead + 1)
+        target = ahead + 1 if any(j in going_on for j in self.newest) else ahead
+        self.rounds_skipped += target - r
+        return target
 
     def report(self) -> dict[str, float]:
         """The counters a node reports (those of the features in use)."""

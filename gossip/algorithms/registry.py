@@ -67,7 +67,8 @@ _CATCH_UP_DOC = (
     f"`catch_up` ({CATCH_UP} with `stragglers=tolerate` on a static graph, else 0 = never): a node "
     "that hears its neighbours that many rounds ahead skips to the round after theirs (a straggler "
     "otherwise falls ever further behind and mixes values long gone by; the report's "
-    "`staleness.rounds_skipped`"
+    "`staleness.rounds_skipped`; its step count moves on with them, `staleness.steps_skipped`, "
+    "so a `--steps` budget ends it with the mesh"
 )
 FAMILIES: dict[str, AlgorithmFamily] = {
     family.averager.name: family

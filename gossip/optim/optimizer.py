@@ -237,7 +237,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._steps_since_round = 0
         self._round_ran = False
         self._last_step_end: float | None = None
-        self.step_count = 0
+        self.step_count = 0  # the mesh's: with the steps skipped to catch up, or taken in by joining
+        self.steps_skipped = 0
         self.last_round: RoundStats | None = None
         self.phases = PhaseTimer(peer.now)
         self.consensus_estimate: float | None = None
@@ -413,22 +414,30 @@ class GossipOptimizer(torch.optim.Optimizer):
                 outer.move_anchor(params)
                 self._upload()
             return
-        before = self.last_round
-        self._mix()
+        caught_up = self._mix()
         with self._lock:
             if outer is not None:
                 self._estimate_consensus(from_device=self.mixes_in_place)  # (before it moves them)
-                mixed = self.last_round  # (None: an algorithm that mixes in the background)
-                caught_up = mixed is not None and before is not None and mixed.round > before.round + 1
-                expected, arrived = (mixed.expected, mixed.arrived) if mixed else (0, 0)
-                outer.after_mixing(params, expected, arrived, caught_up=caught_up)
+                mixed = self.last_round
+                if mixed is None:  # an algorithm that mixes in the background: no round to judge
+                    outer.step(params)
+                else:
+                    outer.after_mixing(params, mixed.expected, mixed.arrived, caught_up=caught_up)
             if not self.mixes_in_place:
                 self._upload()
 
-    def _mix(self) -> None:
+    def _mix(self) -> bool:
         """The algorithm's round; on a machine of local ranks, then every rank's mixed slice
-        to the others, so all hold the same parameters again."""
+        to the others, so all hold the same parameters again. Whether the round skipped ahead
+        to catch up with the mesh: the step count then moves on by the skipped rounds' steps, as
+        a joiner's takes the mesh's, so a straggler's step budget ends with the mesh's rounds
+        (it took fewer steps of its own) rather than alone, after its neighbours left."""
+        start = self.averager.round
         self.last_round = self.averager.after_step()
+        skipped = self.averager.round - start - 1
+        if skipped > 0:
+            self.steps_skipped += skipped * self.steps_per_round
+            self.step_count += skipped * self.steps_per_round
         group = self.local_group
         if group is not None:
             if not self.shard:
@@ -438,6 +447,7 @@ class GossipOptimizer(torch.optim.Optimizer):
                 agreement = self.period_agreement
                 h = agreement.value_for(self.averager.round) if agreement is not None else None
                 self._machine_h = group.share_int(h)
+        return skipped > 0
 
     def _upload(self) -> None:
         """Queue the mixed parameters' upload (the host goes on; on a GPU the next forward pass
@@ -545,18 +555,26 @@ class GossipOptimizer(torch.optim.Optimizer):
         last round leaves with ``peer.leave(after_round=optimizer.round - 1)``."""
         return self.averager.round
 
-    def _outer_report(self) -> dict[str, float]:
-        """With an outer step: the rounds that did not take it (mixed too little, or caught up)."""
-        return {} if self.outer is None else {"outer_rounds_held": self.outer.rounds_held}
+    def _own_report(self, averaged: dict[str, float]) -> dict[str, float]:
+        """The counters kept here: with an outer step, the rounds that did not take it (mixed
+        too little, or caught up); where rounds are skipped (``averaged``'s ``rounds_skipped``),
+        the steps the step count moved on by with them."""
+        figures: dict[str, float] = {}
+        if self.outer is not None:
+            figures["outer_rounds_held"] = self.outer.rounds_held
+        if "rounds_skipped" in averaged:
+            figures["steps_skipped"] = self.steps_skipped
+        return figures
 
     def statistics(self) -> GossipStatistics:
         """This node's gossip so far (rounds, staleness, rejections, where the time went)."""
         averager = self.averager
+        averaged = averager.report()
         return GossipStatistics(
             round=averager.round,
             rounds_per_s=self.rounds_per_s,
             fallback_rounds=averager.fallback_rounds,
-            staleness={**averager.report(), **self._outer_report()},
+            staleness={**averaged, **self._own_report(averaged)},
             rejected=dict(averager.rejected),
             dropped=dict(averager.dropped),
             phase_seconds={phase: round(s, 4) for phase, s in self.phases.totals.items()},

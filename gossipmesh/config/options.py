@@ -158,9 +158,16 @@ ROBUST = Option(
     "':b=K' tolerates K bad neighbours (default 1)",
     none="none",
 )
-STEPS = Option(_AT_LEAST_ONE, "local steps to train (default: until stopped, or --duration)", metavar="N")
+_STEP_COUNT = "the mesh's: a straggler's count moves on by the rounds it skips to keep up"
+STEPS = Option(
+    _AT_LEAST_ONE,
+    f"train to this step count ({_STEP_COUNT}; default: until stopped, or --duration)",
+    metavar="N",
+)
 MESH_STEPS = Option(
-    _AT_LEAST_ONE, "local steps each node trains (default: 600, unless --duration)", metavar="N"
+    _AT_LEAST_ONE,
+    f"train each node to this step count ({_STEP_COUNT}; default: 600, unless --duration)",
+    metavar="N",
 )
 DURATION = Option(
     _POSITIVE,

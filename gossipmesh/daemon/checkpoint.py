@@ -150,6 +150,12 @@ def _checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def checkpoint_due(before: int, after: int, every: int) -> bool:
+    """Whether a step count that went from ``before`` to ``after`` passed a multiple of
+    ``every`` (a straggler catching up with the mesh moves on by several steps at once)."""
+    return after // every > before // every
+
+
 def checkpoint_steps(path: Path) -> int:
     """The steps in a checkpoint file's name."""
     match = _NAME.match(path.name)

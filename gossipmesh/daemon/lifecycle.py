@@ -33,6 +33,7 @@ from gossipmesh.config.configs import SHARD_NEEDS_RANKS
 from gossipmesh.console import say
 from gossipmesh.daemon.checkpoint import (
     Checkpoint,
+    checkpoint_due,
     checkpoint_steps,
     load_newest,
     restore_newest,
@@ -443,6 +444,7 @@ class Session:
         self.members: list[str] = []
         self.transfer: TransferStats | None = None
         self.resumed_from = self._checkpoint.path if self._checkpoint is not None else None
+        self._checked_at = 0  # the step count after the last step (a checkpoint is due past a multiple)
         if config.state_dir is not None:
             self.optimizer.register_step_post_hook(lambda *_: self._checkpoint_when_due())
 
@@ -469,6 +471,7 @@ class Session:
             )
             self.resumed_from = self._checkpoint.path if self._checkpoint is not None else None
             self.transfer = self.entry.come_in(self.peer, self.optimizer, self.members, lambda: False)
+            self._checked_at = self.optimizer.step_count
         except BaseException:
             self.optimizer.close()
             self.peer.close()
@@ -497,7 +500,8 @@ class Session:
             self.peer.close()
 
     def _checkpoint_when_due(self) -> None:
-        if self.optimizer.step_count % self.config.checkpoint_every == 0:
+        before, self._checked_at = self._checked_at, self.optimizer.step_count
+        if checkpoint_due(before, self._checked_at, self.config.checkpoint_every):
             try:
                 self.checkpoint()
             except OSError as exc:  # (training goes on: the previous checkpoint is still whole)

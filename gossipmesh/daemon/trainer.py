@@ -29,7 +29,7 @@ from gossip.state.fetch import TransferStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.console import emit, progress_line, say
 from gossipmesh.daemon.byzantine import ByzantinePeer
-from gossipmesh.daemon.checkpoint import Checkpoint
+from gossipmesh.daemon.checkpoint import Checkpoint, checkpoint_due
 from gossipmesh.daemon.lifecycle import restore_state, save_state, saved_count
 from gossipmesh.daemon.local_ranks import data_shard
 from gossipmesh.daemon.metrics import NodeMetrics
@@ -233,11 +233,13 @@ class Trainer:
                 loss.backward()
                 pacer.finish_step(started)
                 self.optimizer.step()  # (it answers newcomers' state requests too)
-                progress.steps += 1
+                before, progress.steps = progress.steps, self.optimizer.step_count  # (see _mix)
                 self._smooth(loss.item())
                 if self.metrics is not None:
                     self._observe(self.metrics)
-                if checkpoints and self._checkpoints.due(progress.steps % config.checkpoint_every == 0):
+                if checkpoints and self._checkpoints.due(
+                    checkpoint_due(before, progress.steps, config.checkpoint_every)
+                ):
                     self._try_checkpoint()
                 if self._sharded is not None and self._sharded.agree(records and self.recorder.due()):
                     self._record(records)
