@@ -244,12 +244,18 @@ def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_
     """A sender's lanes (``NODE/TOKEN/LANE`` routing ids) each take increasing seqs, apart from
     the others'; a replay within a lane is refused, and so is a lane beyond 0..16."""
     with started_transport("rx", inbox_kinds={"note"}) as receiver:
-        cases = [(b"x/t0", 5), (b"x/t1/3", 5), (b"x/t1/3", 5), (b"x/t2/17", 6), (b"x/t3/ab", 7)]
-        for sent, (routing_id, seq) in enumerate(cases, start=1):
+        # the replay goes on the same connection: a second connection of the same routing id
+        # collides at the ROUTER while the first one's close is not yet seen there (a busy
+        # machine), and ZeroMQ refuses it, message and all
+        cases = [(b"x/t0", (5,)), (b"x/t1/3", (5, 5)), (b"x/t2/17", (6,)), (b"x/t3/ab", (7,))]
+        sent = 0
+        for routing_id, seqs in cases:
             with raw_dealer(routing_id, receiver.address) as dealer:
                 time.sleep(0.05)  # (the raw socket has no handshake wait)
-                dealer.send_multipart(encode(kind="note", sender="x", round=0, session=1, seq=seq))
-                assert wait_until(lambda n=sent: _taken(receiver) >= n)
+                for seq in seqs:
+                    dealer.send_multipart(encode(kind="note", sender="x", round=0, session=1, seq=seq))
+                    sent += 1
+                    assert wait_until(lambda n=sent: _taken(receiver) >= n)
         assert receiver.stats.messages_received == 2
         assert receiver.stats.rejected == {"replayed": 1, "bad_lane": 2}
 
