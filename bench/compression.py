@@ -112,7 +112,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--nodes", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=800, help="local steps every node trains")
+    parser.add_argument("--steps", type=int, default=800, help="the step count every node trains to")
     parser.add_argument("--target", type=float, default=0.93, help="held-out accuracy every node must reach")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
     parser.add_argument("--partition", default="iid", help="iid, or dirichlet:ALPHA (label skew)")
