@@ -164,7 +164,7 @@ class Kind:
     frames: str
 
 
-PARAMS, PUSH = "params", "push"
+PARAMS, PUSH, FINAL = "params", "push", "final"
 PAIR_REQUEST, PAIR_REPLY = "pair_request", "pair_reply"
 CHOCO_UPDATE, CHOCO_FULL_REQUEST, CHOCO_FULL = "choco", "choco_full_request", "choco_full"
 STATE_REQUEST, STATE_MANIFEST, STATE_CHUNK = "state_request", "state_manifest", "state_chunk"
@@ -174,6 +174,7 @@ STATE_REQUEST, STATE_MANIFEST, STATE_CHUNK = "state_request", "state_manifest", 
 KINDS: dict[str, Kind] = {
     PARAMS: Kind(None, "D-PSGD: the model's vector in its wire layout (Layout.pack)"),
     PUSH: Kind(PushShare, "SGP: the sender's de-biased model z, in the vector's own layout"),
+    FINAL: Kind(None, "every algorithm, once training ended: the model in its wire layout"),
     PAIR_REQUEST: Kind(Exchange, "AD-PSGD: the active node's model in the wire layout"),
     PAIR_REPLY: Kind(Exchange, "AD-PSGD: the passive node's model from before it mixed"),
     CHOCO_UPDATE: Kind(ChocoStep, "CHOCO: the codec's frames of q = Q(x - x̂)"),

@@ -9,9 +9,10 @@ import time
 
 import numpy as np
 import pytest
-from helpers import average_in_threads, wait_until
+from helpers import HANG_S, average_in_threads, wait_until
 
 from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, consensus_distance
+from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.pace import Pace
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import SpecError, Topology
@@ -218,6 +219,49 @@ def test_a_straggler_that_skipped_past_a_leaving_neighbours_last_round_mixes_it_
     assert stats.round == 11 and stats.arrived == 1
     # its weight 1/2 halved for a round late, the row renormalised over what came: 1/3
     np.testing.assert_allclose(own, (2 * 5.5 + 20.0) / 3)
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "sgp", "choco", "adpsgd"])
+def test_the_final_exchange_mixes_every_neighbours_final_model_and_waits_for_none_that_left(
+    algorithm: str,
+) -> None:
+    """Every algorithm ends the same way: on a complete graph of 3 the final exchange takes
+    each node to the mean of the three models (3.0 unless adpsgd exchanged a pair before it
+    stopped), whatever rounds they are at; a neighbour that
+    left without a final model is not waited for (its absence ends the wait, not the bound)."""
+    network = MemoryNetwork()
+    peers = [network.join(f"node-{i}") for i in range(3)]
+    vectors = [np.full(4, v, dtype=np.float32) for v in (1.0, 2.0, 6.0)]
+    averagers = [
+        Algorithm.parse(algorithm).build(
+            peer, vector, topology=Topology.parse("complete"), round_timeout=5.0, lock=None
+        )
+        for peer, vector in zip(peers, vectors, strict=True)
+    ]
+    for averager in averagers:
+        averager.close()  # (background exchanges stop first, as GossipOptimizer.finish does)
+    mean = np.mean(vectors, axis=0)  # (adpsgd's may have exchanged a pair by now)
+    averagers[2].round = 7  # (a node rounds ahead: the exchange is outside the rounds)
+    finals: dict[int, RoundStats] = {}
+
+    def finish(i: int) -> None:
+        finals[i] = averagers[i].finish(wait_s=HANG_S)
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for vector in vectors:
+        np.testing.assert_allclose(vector, mean, rtol=1e-6)
+    assert [(finals[i].expected, finals[i].arrived) for i in range(3)] == [(2, 2)] * 3
+    network.leave("node-2")
+    leaving = threading.Timer(0.1, lambda: network.leave("node-1"))
+    leaving.start()  # (while node-0 waits for a final model node-1 never sends)
+    again = averagers[0].finish(wait_s=HANG_S / 10)
+    leaving.join()
+    assert (again.expected, again.arrived) == (1, 0)
+    assert again.wait_s < HANG_S / 20  # the leave ended the wait (in ~0.1 s), not the bound
 
 
 def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() -> None:

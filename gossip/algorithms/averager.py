@@ -4,6 +4,14 @@ of the topology, message checks, staleness bounds and the counters a node report
 An algorithm subclasses :class:`Averager` and implements :meth:`Averager.after_step`, which the
 training loop calls after local steps; synchronous algorithms gossip there, asynchronous ones
 only signal their background exchange.
+
+When training ends, :meth:`Averager.finish` mixes once more, the same way for every algorithm:
+each node sends its final model to its neighbours of its last round (of round 0's graph on a
+time-varying topology) and mixes theirs in, piece by piece as they come, waiting for each until
+it is in, its sender left without one, or ``FINAL_WAIT_S`` passed. Tolerant rounds leave a node
+that mixed stale or few values (behind a slow link, or passed over) further from the others than
+its neighbours are from each other; the models a run leaves behind are what users keep, and one
+exchange in which every neighbour is waited for brings them together.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import numpy as np
 
 from gossip.buffers.pieces import RunningMix, Segments
 from gossip.buffers.vector import Layout, all_finite, scratch_for
+from gossip.messages import FINAL
 from gossip.network import Envelope, PeerNetwork
 from topologies import FAMILIES, MixingRow, Topology, mixing_row
 
@@ -28,6 +37,7 @@ if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
     from typing import Required, Unpack
 
 WAIT_FACTOR = 10.0
+FINAL_WAIT_S = 5.0  # the longest the final exchange waits for the neighbours' models
 MIN_WAIT_S = 0.05
 RECENT_ROUNDS = 32
 log = logging.getLogger(__name__)
@@ -140,6 +150,7 @@ class Averager:
         topology, layout, lock = common["topology"], common.get("layout"), common.get("lock")
         self.needs.check_graph(self.name, topology)
         self.peer = peer
+        peer.take_pieces((FINAL,))  # (mixed as they come by finish)
         self.params = params
         self.vector_layout = Layout.of(params)  # the vector as it is (push-sum shares, replicas)
         self.layout = layout or self.vector_layout  # model values as the model holds them
@@ -168,6 +179,33 @@ class Averager:
 
     def close(self) -> None:
         """Stop background work (asynchronous algorithms)."""
+
+    def finish(self, wait_s: float = FINAL_WAIT_S) -> RoundStats:
+        """The final exchange (see the module docstring), once training ended and background
+        work stopped: what was expected and what came."""
+        last = max(self.round - 1, 0)
+        members = self.peer.members(last) | {self.peer.node_id}
+        graph_round = 0 if self.topology.family.time_varying else last
+        row = mixing_row(self.topology, members, self.peer.node_id, graph_round, self.peer.not_listening())
+        frames = self.layout.pack(self.params, copy=True)  # (mixing below writes the vector)
+        for target in row.send_to:
+            self.peer.send(target, FINAL, self.round, frames)
+        mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
+        started = self.peer.now()
+        deadline = started + wait_s
+        waiting = set(row.receive_from)
+        while waiting and (remaining := deadline - self.peer.now()) > 0:
+            message = self.peer.recv(remaining, (FINAL,))
+            if message is None:  # (or a membership change: one that left sent what it had)
+                waiting &= self.peer.members()
+            elif message.sender in row.receive_from:
+                self._add(mix, message.sender, message, row.receive_from[message.sender])
+                waiting = {j for j in waiting if not mix.complete(j)}
+        while (message := self.peer.recv(0, (FINAL,))) is not None:
+            if message.sender in row.receive_from:
+                self._add(mix, message.sender, message, row.receive_from[message.sender])
+        arrived = len(mix.senders & row.receive_from.keys())
+        return RoundStats(self.round, len(row.receive_from), arrived, self.peer.now() - started, row.topology)
 
     def restart(self, round: int) -> None:
         """Continue from ``round`` with the parameters as they are now (after taking another

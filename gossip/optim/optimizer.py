@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from gossip.algorithms.averager import RoundStats
+from gossip.algorithms.averager import FINAL_WAIT_S, RoundStats
 from gossip.algorithms.registry import AUTO, Algorithm
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.arrays import from_torch, shares_memory
@@ -239,6 +239,7 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._last_step_end: float | None = None
         self.step_count = 0  # the mesh's: with the steps skipped to catch up, or taken in by joining
         self.steps_skipped = 0
+        self.final_round: RoundStats | None = None  # the final exchange's (finish)
         self.last_round: RoundStats | None = None
         self.phases = PhaseTimer(peer.now)
         self.consensus_estimate: float | None = None
@@ -438,16 +439,40 @@ class GossipOptimizer(torch.optim.Optimizer):
         if skipped > 0:
             self.steps_skipped += skipped * self.steps_per_round
             self.step_count += skipped * self.steps_per_round
+        self._share_on_machine()
         group = self.local_group
-        if group is not None:
-            if not self.shard:
-                with self._lock:
-                    group.share_slices(self.flat.array)
-            if self.average_every == AUTO:  # every rank steps to rank 0's H
-                agreement = self.period_agreement
-                h = agreement.value_for(self.averager.round) if agreement is not None else None
-                self._machine_h = group.share_int(h)
+        if group is not None and self.average_every == AUTO:  # every rank steps to rank 0's H
+            agreement = self.period_agreement
+            h = agreement.value_for(self.averager.round) if agreement is not None else None
+            self._machine_h = group.share_int(h)
         return skipped > 0
+
+    def _share_on_machine(self) -> None:
+        """On a machine of local ranks (not sharded), every rank's mixed slice to the others."""
+        if self.local_group is not None and not self.shard:
+            with self._lock:
+                self.local_group.share_slices(self.flat.array)
+
+    def finish(self, wait_s: float = FINAL_WAIT_S) -> RoundStats:
+        """Once training ended (before :meth:`close`), mix the final models once with the
+        neighbours', waiting for each (``Averager.finish``): the models a run leaves agree.
+        Background exchanges stop first. A :class:`~gossipmesh.daemon.lifecycle.Session` and
+        the daemon call it; call it in a loop of your own (on every local rank). Once: a
+        second call returns the first's figures."""
+        if self.final_round is not None:
+            return self.final_round
+        self.averager.close()
+        if not self.mixes_in_place:
+            with self._lock:
+                self.flat.copy_to_host()
+        self.final_round = self.averager.finish(wait_s)  # (it takes the lock to write)
+        self._share_on_machine()
+        with self._lock:
+            if self.outer is not None:
+                self.outer.move_anchor(self.flat.array)
+            if not self.mixes_in_place:
+                self.flat.copy_to_device()
+        return self.final_round
 
     def _upload(self) -> None:
         """Queue the mixed parameters' upload (the host goes on; on a GPU the next forward pass
@@ -564,6 +589,9 @@ class GossipOptimizer(torch.optim.Optimizer):
             figures["outer_rounds_held"] = self.outer.rounds_held
         if "rounds_skipped" in averaged:
             figures["steps_skipped"] = self.steps_skipped
+        if self.final_round is not None:
+            figures["final_expected"] = self.final_round.expected
+            figures["final_mixed"] = self.final_round.arrived
         return figures
 
     def statistics(self) -> GossipStatistics:

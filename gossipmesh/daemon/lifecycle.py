@@ -481,7 +481,7 @@ class Session:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(finish=kind is None)
 
     def checkpoint(self) -> Path:
         """Write a checkpoint to ``--state-dir`` now."""
@@ -489,15 +489,21 @@ class Session:
             raise ValueError("checkpoints go to --state-dir: give the node one")
         return save_state(self.config.state_dir, self.optimizer.step_count, self.optimizer, self.node_id)
 
-    def close(self) -> None:
-        """Leave after this node's last round, write a last checkpoint, close the network."""
-        self.optimizer.close()
-        self.peer.leave(after_round=self.optimizer.round - 1)
+    def close(self, *, finish: bool = True) -> None:
+        """Mix the final models once more with the neighbours' (``finish``:
+        ``GossipOptimizer.finish``, not after an error), leave after this node's last round,
+        write a last checkpoint, close the network."""
         try:
-            if self.config.state_dir is not None:
-                self.checkpoint()
+            if finish:
+                self.optimizer.finish()
         finally:
-            self.peer.close()
+            self.optimizer.close()
+            self.peer.leave(after_round=self.optimizer.round - 1)
+            try:
+                if self.config.state_dir is not None:
+                    self.checkpoint()
+            finally:
+                self.peer.close()
 
     def _checkpoint_when_due(self) -> None:
         before, self._checked_at = self._checked_at, self.optimizer.step_count

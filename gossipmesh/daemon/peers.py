@@ -12,7 +12,7 @@ import torch
 
 from gossip.algorithms.registry import FAMILIES, Algorithm
 from gossip.buffers.flat import host_vector_bytes
-from gossip.messages import STATE_REQUEST
+from gossip.messages import FINAL, STATE_REQUEST
 from gossip.optim.local_group import LocalGroup
 from gossip.optim.optimizer import averaged_buffers
 from gossip.state import manifest as state
@@ -30,11 +30,11 @@ log = logging.getLogger(NODE_LOGGER)
 
 def message_kinds(algorithm: Algorithm | None = None) -> frozenset[str]:
     """What a daemon's inbox takes: its ``algorithm``'s kinds (every registered algorithm's if
-    None) and state transfer's. Others are rejected at the door: a kind nobody reads would wait
-    in the inbox for good."""
+    None), the final exchange's and state transfer's. Others are rejected at the door: a kind
+    nobody reads would wait in the inbox for good."""
     families = FAMILIES.values() if algorithm is None else [algorithm.family]
     algorithms = {kind for family in families for kind in family.averager.kinds}
-    return frozenset({*algorithms, STATE_REQUEST, *state.JOINER_KINDS})
+    return frozenset({*algorithms, FINAL, STATE_REQUEST, *state.JOINER_KINDS})
 
 
 def make_peer(

@@ -243,6 +243,12 @@ class Trainer:
                     self._try_checkpoint()
                 if self._sharded is not None and self._sharded.agree(records and self.recorder.due()):
                     self._record(records)
+            # at the run's planned end (its budget or --duration), which its neighbours reach
+            # too, the final models mixed once more (Averager.finish); not when told to stop
+            # (a leave, a signal), where they train on and would send no final model to wait for
+            stopped = stop.is_set()
+            if not (group.agree(stopped) if group is not None else stopped):
+                self.optimizer.finish()
         finally:
             self.optimizer.close()
             self.peer.leave(after_round=self.optimizer.round - 1)

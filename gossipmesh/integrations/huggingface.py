@@ -26,7 +26,8 @@ from p2p import Peer
 class GossipCallback(TrainerCallback):
     """Logs ``gossip_round`` and ``gossip_consensus`` beside the loss; on a GPU lets each
     forward pass overlap the upload of the parameters mixed in the last round; at the end of
-    training stops the optimizer's background work and leaves the mesh after its last round."""
+    training mixes the final models once more with the neighbours' (``GossipOptimizer.finish``),
+    stops the optimizer's background work and leaves the mesh after its last round."""
 
     def __init__(self, optimizer: GossipOptimizer, peer: Peer) -> None:
         self.optimizer = optimizer
@@ -56,5 +57,6 @@ class GossipCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self.optimizer.finish()
         self.optimizer.close()
         self.peer.leave(after_round=self.optimizer.round - 1)
