@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import HANG_S, average_in_threads, wait_until
 
-from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, consensus_distance
+from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, RobustRule, consensus_distance
 from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.pace import Pace
 from gossipmesh.sim.memory import MemoryNetwork
@@ -262,6 +262,20 @@ def test_the_final_exchange_mixes_every_neighbours_final_model_and_waits_for_non
     leaving.join()
     assert (again.expected, again.arrived) == (1, 0)
     assert again.wait_s < HANG_S / 20  # the leave ended the wait (in ~0.1 s), not the bound
+
+
+def test_with_a_robust_rule_there_is_no_final_exchange() -> None:
+    """A plain final mix would let an insider's model past the robust rounds: none is made."""
+    a, b = memory_mesh(2)
+    own = np.full(2, 1.0, dtype=np.float32)
+    averager = Algorithm.parse("dpsgd").build(
+        a, own, topology=Topology.parse("ring"), round_timeout=5.0, lock=None,
+        robust=RobustRule.parse("trimmed-mean"),
+    )  # fmt: skip
+    b.send("node-0", "final", 0, [np.full(2, 1e6, dtype=np.float32)])
+    final = averager.finish(wait_s=HANG_S)
+    assert (final.expected, final.arrived) == (0, 0)
+    np.testing.assert_array_equal(own, 1.0)
 
 
 def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 import numpy as np
 
+from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix, Segments
 from gossip.buffers.vector import Layout, all_finite, scratch_for
 from gossip.messages import FINAL
@@ -136,6 +137,7 @@ class Averager:
     needs: ClassVar[Needs] = Needs()
     #: whether parameters are mixed outside after_step (by a background exchanger), at any time
     mixes_in_background: ClassVar[bool] = False
+    robust: RobustRule | None = None  # a Byzantine-robust mixing rule (dpsgd's option)
 
     def __init__(
         self,
@@ -182,11 +184,15 @@ class Averager:
 
     def finish(self, wait_s: float = FINAL_WAIT_S) -> RoundStats:
         """The final exchange (see the module docstring), once training ended and background
-        work stopped: what was expected and what came."""
+        work stopped: what was expected and what came. With a Byzantine-robust rule nothing
+        is exchanged: the models stay as its rounds left them (a plain mix would let an
+        insider's model in)."""
         last = max(self.round - 1, 0)
         members = self.peer.members(last) | {self.peer.node_id}
         graph_round = 0 if self.topology.family.time_varying else last
         row = mixing_row(self.topology, members, self.peer.node_id, graph_round, self.peer.not_listening())
+        if self.robust is not None:
+            return RoundStats(self.round, 0, 0, 0.0, row.topology)
         frames = self.layout.pack(self.params, copy=True)  # (mixing below writes the vector)
         for target in row.send_to:
             self.peer.send(target, FINAL, self.round, frames)
