@@ -213,7 +213,10 @@ def table(arms: list[Arm], target: float, nodes: int) -> list[str]:
         t = arm.time_to(target)
         reached = math.isfinite(t)
         steps = arm.at(t, "step") if reached else []
-        examples = sum(steps) * BATCH if arm.name != "ddp" else (steps[0] * BATCH * nodes if steps else 0)
+        if arm.name == "ddp":
+            examples = steps[0] * BATCH * nodes if steps else 0
+        else:  # (a straggler's step count moves on by the rounds it skips; its batches do not)
+            examples = sum(arm.at(t, "batches")) * BATCH if reached else 0
         ratio = ddp.get(arm.slowdown, math.nan) / t if reached else 0.0
         final = min(tl[-1]["accuracy"] for tl in arm.timelines if tl)
         mb = sum(arm.at(t, "bytes_sent")) / len(arm.timelines) / 1e6 if reached else math.nan

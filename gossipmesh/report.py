@@ -36,6 +36,7 @@ class TimelinePoint:
     bytes_sent: int
     round: int
     consensus: float | None = None  # the node's consensus distance estimate (see GossipOptimizer)
+    batches: int = 0  # batches drawn, its own steps (``step`` counts those of skipped rounds too)
 
 
 @dataclass

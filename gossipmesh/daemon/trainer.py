@@ -309,6 +309,7 @@ class Trainer:
     def _progress(self) -> dict[str, Any]:
         return {
             "step": self.progress.steps,
+            "batches": self.data_batches,
             "round": self.optimizer.round,
             "train_loss": self.train_loss,
             "bytes_sent": self.peer.stats.bytes_sent,
