@@ -208,6 +208,16 @@ def test_a_straggler_whose_neighbour_left_skips_to_its_last_round_and_mixes_it()
     assert averager.pace.rounds_skipped == 9
 
 
+def test_a_straggler_skips_no_further_than_the_round_its_step_budget_ends_at() -> None:
+    """With its budget ending at round 5 (``skip_limit``, from the optimizer), a straggler whose
+    neighbour is at round 10 skips to 5, where it mixes that round's value, not to 11."""
+    _, averager, own = behind_a_neighbour_at_round_10()
+    averager.skip_limit = 5
+    stats = averager.average()
+    assert stats.round == 5 and averager.pace.rounds_skipped == 4
+    np.testing.assert_allclose(own, (5.5 + 15.0) / 2)
+
+
 def test_a_straggler_that_skipped_past_a_leaving_neighbours_last_round_mixes_it_late() -> None:
     """Where the leave comes after the skip was decided (to round 11, after the neighbour's
     newest), the neighbour's value of round 10 is mixed late, discounted, rather than none."""

@@ -161,6 +161,9 @@ class Averager:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.max_staleness = max_staleness
         self.round = 0
+        self.skip_limit: int | None = (
+            None  # the furthest round a catch-up skip may reach (set by the optimizer)
+        )
         self.overlap = 0  # rounds between sending a value and mixing it (set by the algorithms)
         self.rejected: Counter[str] = Counter()  # malformed messages
         self.dropped: Counter[str] = Counter()  # well-formed ones that came too late or too early

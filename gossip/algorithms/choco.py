@@ -200,7 +200,7 @@ class CHOCO(Averager):
 
     def after_step(self) -> RoundStats:
         self._time_round()
-        if (skip := self.pace.skip_to(self.round, self.peer.members)) is not None:
+        if (skip := self.pace.skip_to(self.round, self.peer.members, self.skip_limit)) is not None:
             self._skip_to(skip)
         r = self.round
         codec = self.codec.for_round(r)

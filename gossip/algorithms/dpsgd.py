@@ -152,7 +152,7 @@ class DPSGD(Averager):
         """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
         the previous round's)."""
         self._time_round()
-        if (skip := self.pace.skip_to(self.round, self.peer.members)) is not None:
+        if (skip := self.pace.skip_to(self.round, self.peer.members, self.skip_limit)) is not None:
             self._skip_to(skip)
         r = self.round
         sending = self._round_row(r)

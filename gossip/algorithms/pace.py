@@ -130,13 +130,16 @@ class Pace:
         within :meth:`age_bound`, whoever sent it."""
         return self.tolerate and 0 < age <= self.age_bound(sender, now)
 
-    def skip_to(self, r: int, members: Callable[[int], Collection[str]]) -> int | None:
+    def skip_to(
+        self, r: int, members: Callable[[int], Collection[str]], limit: int | None = None
+    ) -> int | None:
         """The round to skip to from round ``r``: the one after the median of the newest rounds
         the neighbours taking part in round ``r`` sent (``members``: those of a round), when
         that is ``catch_up`` or more ahead; None to go on with ``r``. The median, so one
         neighbour naming a round far ahead cannot throw the node forward. Where none of them
         takes part in the round after (they left after it: their step budgets ended), the
-        median itself, whose values are here: a round after theirs would mix nothing."""
+        median itself, whose values are here: a round after theirs would mix nothing. Never
+        past ``limit`` (the round at which the node's step budget ends, where it is known)."""
         taking_part = members(r)
         self.newest = {j: k for j, k in self.newest.items() if j in taking_part}
         if not self.catch_up or not self.newest:
@@ -146,6 +149,10 @@ class Pace:
             return None
         going_on = members(ahead + 1)
         target = ahead + 1 if any(j in going_on for j in self.newest) else ahead
+        if limit is not None:
+            target = min(target, limit)
+        if target <= r:
+            return None
         self.rounds_skipped += target - r
         return target
 

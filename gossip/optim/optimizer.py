@@ -239,6 +239,8 @@ class GossipOptimizer(torch.optim.Optimizer):
         self._last_step_end: float | None = None
         self.step_count = 0  # the mesh's: with the steps skipped to catch up, or taken in by joining
         self.steps_skipped = 0
+        # the step count training ends at, where known (the daemon's --steps): see _mix
+        self.step_budget: int | None = None
         self.final_round: RoundStats | None = None  # the final exchange's (finish)
         self.last_round: RoundStats | None = None
         self.phases = PhaseTimer(peer.now)
@@ -434,6 +436,9 @@ class GossipOptimizer(torch.optim.Optimizer):
         a joiner's takes the mesh's, so a straggler's step budget ends with the mesh's rounds
         (it took fewer steps of its own) rather than alone, after its neighbours left."""
         start = self.averager.round
+        if self.step_budget is not None:  # (a skip never moves the count past the budget)
+            left = max(0, self.step_budget - self.step_count)
+            self.averager.skip_limit = start + left // self.steps_per_round
         self.last_round = self.averager.after_step()
         skipped = self.averager.round - start - 1
         if skipped > 0:

@@ -197,6 +197,7 @@ class Trainer:
         progress.shard = shard.describe(config.partition)
         pacer = StepPacer(config.compute_ms, config.slowdown)
         budget = config.steps  # (None: until --duration, or until stopped)
+        self.optimizer.step_budget = budget
         # --duration, on the report clock (a late joiner of a mesh stops when the others do), ends
         # at a round: with local steps, a model part way into its H steps holds what its own shard
         # alone pulled it to, far from the mesh's for a node whose neighbours pass it over
