@@ -161,9 +161,7 @@ class Averager:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.max_staleness = max_staleness
         self.round = 0
-        self.skip_limit: int | None = (
-            None  # the furthest round a catch-up skip may reach (set by the optimizer)
-        )
+        self.skip_limit: int | None = None  # the furthest a catch-up skip reaches (the optimizer's)
         self.overlap = 0  # rounds between sending a value and mixing it (set by the algorithms)
         self.rejected: Counter[str] = Counter()  # malformed messages
         self.dropped: Counter[str] = Counter()  # well-formed ones that came too late or too early
@@ -190,16 +188,21 @@ class Averager:
         work stopped: what was expected and what came. With a Byzantine-robust rule nothing
         is exchanged: the models stay as its rounds left them (a plain mix would let an
         insider's model in)."""
+        if self.robust is not None:
+            return RoundStats(self.round, 0, 0, 0.0, self.topology)
         last = max(self.round - 1, 0)
         members = self.peer.members(last) | {self.peer.node_id}
         graph_round = 0 if self.topology.family.time_varying else last
         row = mixing_row(self.topology, members, self.peer.node_id, graph_round, self.peer.not_listening())
-        if self.robust is not None:
-            return RoundStats(self.round, 0, 0, 0.0, row.topology)
         frames = self.layout.pack(self.params, copy=True)  # (mixing below writes the vector)
         for target in row.send_to:
             self.peer.send(target, FINAL, self.round, frames)
         mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
+
+        def take(message: Envelope) -> None:
+            if message.sender in row.receive_from:
+                self._add(mix, message.sender, message, row.receive_from[message.sender])
+
         started = self.peer.now()
         deadline = started + wait_s
         waiting = set(row.receive_from)
@@ -207,12 +210,11 @@ class Averager:
             message = self.peer.recv(remaining, (FINAL,))
             if message is None:  # (or a membership change: one that left sent what it had)
                 waiting &= self.peer.members()
-            elif message.sender in row.receive_from:
-                self._add(mix, message.sender, message, row.receive_from[message.sender])
+            else:
+                take(message)
                 waiting = {j for j in waiting if not mix.complete(j)}
         while (message := self.peer.recv(0, (FINAL,))) is not None:
-            if message.sender in row.receive_from:
-                self._add(mix, message.sender, message, row.receive_from[message.sender])
+            take(message)
         arrived = len(mix.senders & row.receive_from.keys())
         return RoundStats(self.round, len(row.receive_from), arrived, self.peer.now() - started, row.topology)
 
