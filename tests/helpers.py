@@ -223,3 +223,24 @@ def run_example(path: Path, argv: list[str], result: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     result.write_text(json.dumps(module.main(argv)))
+
+
+@contextmanager
+def connected(
+    sender_options: dict[str, Any], receiver_options: dict[str, Any]
+) -> Iterator[tuple[Transport, Transport]]:
+    """A sender and a receiver ("a" and "b" on 127.0.0.1), once a message has gone between them."""
+    sender_address, receiver_address = addresses(2)
+    receiver = Transport("b", receiver_address, inbox_kinds={"params", "note"}, **receiver_options)
+    sender = Transport("a", sender_address, **sender_options)
+    receiver.start()
+    sender.start()
+    try:
+        deadline = time.monotonic() + HANG_S
+        while receiver.recv(0.05) is None:  # until the connection is up
+            assert time.monotonic() < deadline, "no message from a reached b"
+            sender.send(receiver_address, "note", 0)
+        yield sender, receiver
+    finally:
+        sender.close()
+        receiver.close()

@@ -132,18 +132,19 @@ def test_the_transport_hands_a_stream_on_chunk_by_chunk_for_the_kinds_asked() ->
         receiver.take_pieces({"params"})
         sender.send(receiver.address, "params", 7, [vector])
         sender.send(receiver.address, "push", 7, [vector])
-        pieces: list[Message] = []
-        while sum(p.tensors[0].nbytes for p in pieces) < vector.nbytes:
+        payload = np.empty(vector.nbytes, np.uint8)
+        offsets = []
+        while sum(payload[o : o + CHUNK_BYTES].nbytes for o in offsets) < vector.nbytes:
             piece = receiver.recv(30, {"params"})
-            assert piece is not None, "a chunk did not come"
-            pieces.append(piece)
+            assert piece is not None and piece.piece is not None, "a chunk did not come"
+            offset = piece.piece.offset
+            payload[offset : offset + piece.tensors[0].nbytes] = piece.tensors[0]
+            offsets.append(offset)  # (and the piece let go of, as a reader does: its sender's credit)
+            del piece
         whole = receiver.recv(30, {"push"})
     assert whole is not None and whole.piece is None
     np.testing.assert_array_equal(whole.tensors[0], vector)
-    assert sorted(p.piece.offset for p in pieces) == [0, CHUNK_BYTES, 2 * CHUNK_BYTES]
-    payload = np.empty(vector.nbytes, np.uint8)
-    for piece in pieces:
-        payload[piece.piece.offset : piece.piece.offset + piece.tensors[0].nbytes] = piece.tensors[0]
+    assert sorted(offsets) == [0, CHUNK_BYTES, 2 * CHUNK_BYTES]
     np.testing.assert_array_equal(payload.view(np.float32), vector)
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-from helpers import HANG_S, addresses, peak_memory, raw_dealer, started_transport, wait_until
+from helpers import HANG_S, addresses, connected, peak_memory, raw_dealer, started_transport, wait_until
 
 from p2p import Transport
 from p2p.transport.outbound import MAX_STREAMS_PER_PEER
@@ -143,27 +141,6 @@ def test_malformed_chunk_headers_are_refused() -> None:
             seqs=itertools.count(),
             chunk_bytes=MAX_CHUNK_BYTES + 1,
         )
-
-
-@contextmanager
-def connected(
-    sender_options: dict[str, Any], receiver_options: dict[str, Any]
-) -> Iterator[tuple[Transport, Transport]]:
-    """A sender and a receiver ("a" and "b" on 127.0.0.1), once a message has gone between them."""
-    sender_address, receiver_address = addresses(2)
-    receiver = Transport("b", receiver_address, inbox_kinds={"params", "note"}, **receiver_options)
-    sender = Transport("a", sender_address, **sender_options)
-    receiver.start()
-    sender.start()
-    try:
-        deadline = time.monotonic() + HANG_S
-        while receiver.recv(0.05) is None:  # until the connection is up
-            assert time.monotonic() < deadline, "no message from a reached b"
-            sender.send(receiver_address, "note", 0)
-        yield sender, receiver
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_a_delta_larger_than_any_socket_message_arrives_whole_between_small_messages() -> None:

@@ -207,14 +207,12 @@ class Averager:
         deadline = started + wait_s
         waiting = set(row.receive_from)
         while waiting and (remaining := deadline - self.peer.now()) > 0:
-            message = self.peer.recv(remaining, (FINAL,))
-            if message is None:  # (or a membership change: one that left sent what it had)
-                waiting &= self.peer.members()
-            else:
-                take(message)
+            if self._receive(remaining, (FINAL,), take):
                 waiting = {j for j in waiting if not mix.complete(j)}
-        while (message := self.peer.recv(0, (FINAL,))) is not None:
-            take(message)
+            else:  # (or a membership change: one that left sent what it had)
+                waiting &= self.peer.members()
+        while self._receive(0, (FINAL,), take):
+            pass
         arrived = len(mix.senders & row.receive_from.keys())
         return RoundStats(self.round, len(row.receive_from), arrived, self.peer.now() - started, row.topology)
 
@@ -234,6 +232,17 @@ class Averager:
         if len(self._round_times) < RECENT_ROUNDS // 4:
             return self.round_timeout
         return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
+
+    def _receive(self, timeout: float, kinds: tuple[str, ...], take: Callable[[Envelope], None]) -> bool:
+        """Hand the next message of ``kinds`` that comes within ``timeout`` s to ``take``, and
+        let go of it: a piece's bytes are released as soon as its reader is done with them, and
+        with them its sender's credit for more (``p2p.transport.credits``). False when none came
+        (or the membership changed)."""
+        message = self.peer.recv(timeout, kinds)
+        if message is None:
+            return False
+        take(message)
+        return True
 
     def _time_round(self) -> None:
         now = self.peer.now()

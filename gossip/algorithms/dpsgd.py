@@ -57,6 +57,7 @@ arrived. The others hold each neighbour's value whole until the round mixes.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, ClassVar
 
@@ -66,7 +67,7 @@ from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundSt
 from gossip.algorithms.pace import pace_option
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix
-from gossip.buffers.vector import Frames
+from gossip.buffers.vector import Frames, SendCopy
 from gossip.messages import PARAMS
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
 
 COMPLETE = Topology("complete")
 OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed mixing (see above)
+SEND_POLL_S = 0.001  # how often a round looks whether its last sends have left (see _send_frames)
 
 
 class DPSGD(Averager):
@@ -136,6 +138,8 @@ class DPSGD(Averager):
         may_skip = not overlap and not self.topology.family.time_varying
         self.pace = pace_option(self.name, stragglers, catch_up, may_skip=may_skip, holds_back=True)
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
+        self._send_copy = SendCopy(self.layout)
+        self._sent_to: list[str] = []  # the neighbours the last round's value went to
         self._held_over: list[Envelope] = []  # pieces of the round before the one skipped to
 
     def after_step(self) -> RoundStats:
@@ -160,8 +164,9 @@ class DPSGD(Averager):
         # a bfloat16 model, half the bytes of its float32 vector) where the round mixes into the
         # vector as values arrive; a whole copy where the round mixes from it as well
         snapshot = None if self.streams else self.params.copy()
-        frames = self.layout.pack(self.params, copy=True) if snapshot is None else self.layout.pack(snapshot)
-        for target in self.pace.ready(sending.send_to, self.peer.backlog, behind=1):
+        frames = self._send_frames() if snapshot is None else self.layout.pack(snapshot)
+        self._sent_to = self.pace.ready(sending.send_to, self.peer.backlog, behind=1)
+        for target in self._sent_to:
             self.peer.send(target, PARAMS, r, frames)
         self.pace.sent(r, self.peer.now())
         self.round += 1
@@ -171,6 +176,20 @@ class DPSGD(Averager):
             stats = self._mix_gathered(r, sending, snapshot)
         self.pace.mixed(self.peer.now())
         return stats
+
+    def _send_frames(self) -> list[np.ndarray]:
+        """This round's value, copied for the sends (in the buckets' dtypes: a bfloat16 model's
+        in half its float32 vector's bytes). The last round's copy is reused once its sends have
+        left; where they still go out to neighbours this round waits for anyway (whose values
+        for this round come after they took the last), they are waited for, up to the round's
+        wait limit, so that a node in step with its neighbours holds one copy of its model, not
+        two. A straggler's link is not waited for: the copy it holds is left to it."""
+        lagging = {t for t in self._sent_to if self.peer.backlog(t)}
+        if lagging and not lagging & (self.pace.stragglers(lagging) | self._silent):
+            deadline = time.monotonic() + self.wait_limit()
+            while self._send_copy.held and time.monotonic() < deadline:
+                time.sleep(SEND_POLL_S)
+        return self._send_copy.pack(self.params)
 
     def _mix_gathered(self, r: int, sending: MixingRow, snapshot: np.ndarray) -> RoundStats:
         """Round ``r`` (with overlap: r - 1) mixed once its values are gathered (bounded wait)."""
@@ -213,28 +232,32 @@ class DPSGD(Averager):
         neighbours = set(row.receive_from)
         waited = self._waited(neighbours)
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
-        for early in self._early_pieces.pop(r, []):
-            self._take_piece(early, r, row, mix)
+        early = self._early_pieces.pop(r, [])
+        while early:
+            self._take_piece(early.pop(0), r, row, mix)
         waiting = {j for j in waited - self._silent if not mix.complete(j)}
         started = self.peer.now()
         deadline = started + self.wait_limit()
         timed_out = False
+
+        def take(arrived: Envelope) -> None:
+            self._take_piece(arrived, r, row, mix)
+
         while waiting and sum(mix.complete(j) for j in waited) < enough:
             remaining = deadline - self.peer.now()
             if remaining <= 0:
                 timed_out = True
                 break
-            arrived = self.peer.recv(remaining, self.kinds)
-            if arrived is None:
-                waiting &= self.peer.members(r)  # a neighbour that left is not waited for
-            else:
-                self._take_piece(arrived, r, row, mix)
+            if self._receive(remaining, self.kinds, take):
                 waiting = {j for j in waiting if not mix.complete(j)}
-        while (arrived := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
-            self._take_piece(arrived, r, row, mix)
+            else:
+                waiting &= self.peer.members(r)  # a neighbour that left is not waited for
+        while self._receive(0, self.kinds, take):  # whatever else is here already
+            pass
         held_over, self._held_over = self._held_over, []
         missing = {piece.sender for piece in held_over} - self._mixing.keys()
-        for piece in held_over:  # (after a skip: see _skip_to)
+        while held_over:  # (after a skip: see _skip_to)
+            piece = held_over.pop(0)
             if piece.sender in missing:
                 self._take_piece(piece, r, row, mix)
         if timed_out:

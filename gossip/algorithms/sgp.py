@@ -51,6 +51,7 @@ import numpy as np
 from gossip.algorithms.averager import Averager, AveragerOptions, RoundStats
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.pieces import Coverage, RunningMix, Segments
+from gossip.buffers.vector import SendCopy
 from gossip.messages import PUSH, PayloadError, PushShare
 from gossip.network import Envelope, PeerNetwork
 from topologies import mixing_row
@@ -96,6 +97,7 @@ class SGP(Averager):
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
+        self._send_copy = SendCopy(self.vector_layout)
         self.pace = pace_option(self.name, stragglers, catch_up=0, holds_back=True)
         peer.take_pieces(self.kinds)
 
@@ -114,7 +116,7 @@ class SGP(Averager):
         targets = self.pace.ready(row.send_to, self.peer.backlog)
         if targets:
             with self.lock:
-                pushed = self.params.copy()  # it stays untouched while in flight
+                pushed = self._send_copy.pack(self.params)[0]  # it stays untouched while in flight
             starts, weights = zip(*self.segments, strict=True)
             meta = PushShare(list(starts), list(weights)).encode()
             for target in targets:
@@ -156,18 +158,18 @@ class SGP(Averager):
             self.params, self.vector_layout, self.segments, self._scratch, self.lock, self._coverage
         )
         held, self._later, self._later_bytes = self._later, [], 0
-        for piece in held:
-            self._mix_in(piece, r, mix)
+        while held:  # (each let go of once mixed: see Averager._receive)
+            self._mix_in(held.pop(0), r, mix)
         deadline = self.peer.now() + self.wait_limit()
+
+        def take(received: Envelope) -> None:
+            self._mix_in(received, r, mix)
+
         while True:
             missing = {(s, q) for s, q in expected if not mix.complete((s, q)) and s in self.peer.members(q)}
             timeout = 0.0 if not missing else max(0.0, deadline - self.peer.now())
-            received = self.peer.recv(timeout, self.kinds)
-            if received is None:
-                if not missing or self.peer.now() >= deadline:
-                    break
-                continue
-            self._mix_in(received, r, mix)
+            if not self._receive(timeout, self.kinds, take) and (not missing or self.peer.now() >= deadline):
+                break
         for sender, _ in missing:
             self.peer.missed(sender)
         self.segments = _merged(mix.weights, self.params.size)

@@ -9,6 +9,7 @@ the model holds them (:class:`Layout`): one frame per dtype bucket, bfloat16 in 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -125,3 +126,37 @@ class Layout:
             np.copyto(vector[start : start + frame.size], frame, casting="same_kind")
             start += frame.size
         return vector
+
+
+class SendCopy:
+    """The copy of a vector that a node's sends of one round go out from (they must not see
+    the mixing that follows), made again in the same memory once no send holds it any longer:
+    a node whose sends keep up holds one such copy, not one per round still in flight, and one
+    whose sends lag gets a new copy while the old one is freed as they leave.
+
+    Whether a send still holds the copy is whether anything but this object refers to its
+    frames: ZeroMQ's zero-copy frames (until the kernel has taken the bytes), a stream's chunks
+    waiting for credit, an in-memory network's message in a neighbour's inbox.
+    """
+
+    _OWN = 3  # references to a frame while it is checked: the list's, the loop's, the call's
+
+    def __init__(self, layout: Layout) -> None:
+        self._layout = layout
+        self._frames: list[np.ndarray] | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether a send still holds the last copy."""
+        return self._frames is not None and any(sys.getrefcount(f) > self._OWN for f in self._frames)
+
+    def pack(self, vector: np.ndarray) -> list[np.ndarray]:
+        """``vector``'s frames (see :meth:`Layout.pack`), in the last copy's memory when it is free."""
+        if self._frames is None or self.held:
+            self._frames = self._layout.pack(vector, copy=True)
+            return self._frames
+        start = 0
+        for frame in self._frames:
+            np.copyto(frame, vector[start : start + frame.size], casting="unsafe")  # (as astype)
+            start += frame.size
+        return self._frames

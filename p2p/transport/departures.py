@@ -20,21 +20,22 @@ import zmq
 class Departure:
     """One message on its way out: waiting to be encoded (under a send cap), then in ZeroMQ."""
 
-    __slots__ = ("_gone", "_tracker")
+    __slots__ = ("_gone", "_trackers")
 
     def __init__(self) -> None:
-        self._tracker: zmq.MessageTracker | None = None
+        self._trackers: list[zmq.MessageTracker] = []
         self._gone = False
 
     @property
     def left(self) -> bool:
-        return self._gone or (self._tracker is not None and self._tracker.done)
+        return self._gone or (bool(self._trackers) and all(t.done for t in self._trackers))
 
     def track(self, frames: list[Any]) -> None:
-        """Replace the message's last frame with one that reports when ZeroMQ releases it."""
+        """Replace the last frame of a message (or of each of a stream's last chunks, one per
+        connection it is spread over) with one that reports when ZeroMQ releases it."""
         frame = zmq.Frame(frames[-1], copy=False, track=True)
         frames[-1] = frame
-        self._tracker = frame.tracker
+        self._trackers.append(frame.tracker)
 
     def gone(self) -> None:
         """The message was dropped before it was encoded."""

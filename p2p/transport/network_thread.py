@@ -17,8 +17,10 @@ key get a frame through (see ``p2p.security.curve``); without one, nothing is au
 
 A payload larger than ``chunk_bytes`` goes as a stream of chunks (``p2p.wire.encode_chunks``):
 the network thread feeds a peer's chunks to its socket as the socket takes them (waiting for
-room rather than dropping; later messages to that peer go after the stream), and the receiver
-copies each chunk into place as it comes (``p2p.transport.reassembly``). No ZeroMQ message exceeds
+room rather than dropping; later streams to that peer go after it) and as far as the receiver's
+credit allows (``p2p.transport.credits``: a window of chunks ahead of what the receiver has
+released), and the receiver copies each chunk into place as it comes
+(``p2p.transport.reassembly``), or hands it on as it is. No ZeroMQ message exceeds
 ``p2p.wire.MAX_CHUNK_BYTES``, which bounds what a peer can make a node buffer before checks.
 
 Protocol services (membership, later failure detection) run on the network thread too: they
@@ -62,13 +64,15 @@ from p2p.transport.connections import (
     MAX_LANES,
     Connection,
     Connections,
+    RouteClosedError,
     Target,
     usable_at,
 )
+from p2p.transport.credits import CREDIT, CreditLedger
 from p2p.transport.departures import Departure, Departures
 from p2p.transport.inbound import HANDSHAKE_MS, InboundGuard
 from p2p.transport.inbox import Inbox
-from p2p.transport.outbound import Outbound
+from p2p.transport.outbound import WINDOW_BYTES, Outbound
 from p2p.transport.polling import Poller
 from p2p.transport.reassembly import Assembler
 from p2p.transport.send_cap import SendPacer
@@ -174,6 +178,7 @@ class Transport:
         self._inbox_kinds = None if inbox_kinds is None else frozenset(inbox_kinds)
         self._linger_ms = int(linger_s * 1000)
         self._chunk_bytes = chunk_bytes
+        self._lanes = streams
         # called (network thread) with an address no message could be queued to: the failure
         # detector hears of a closed connection at once rather than at its next probe
         self.on_unreachable: Callable[[str], None] | None = None
@@ -205,6 +210,7 @@ class Transport:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._credits = CreditLedger(self._wake)
         self._context = zmq.Context()
         self.connections = Connections(
             self._context,
@@ -214,7 +220,7 @@ class Transport:
             linger_ms=self._linger_ms,
             on_close=self._closed,
             poller=self._poller,
-            receives=listen is None,
+            receives=True,  # (credit for streams comes back on the connection they went over)
         )
         self._outbound = Outbound(
             self.connections,
@@ -224,6 +230,7 @@ class Transport:
             self._guarded,
             lambda address: self.on_unreachable(address) if self.on_unreachable is not None else None,
             lanes=streams,
+            window_chunks=max(2, streams, WINDOW_BYTES // chunk_bytes),
         )
         self._authenticator: Authenticator | None = None
         self._errors = QuietLog(log)
@@ -332,12 +339,17 @@ class Transport:
                 return lambda: self._outbound.send_now(
                     out.address, out.key, out.member, frames, patient=out.patient
                 )
+            first = next(self._seq)
             chunks = encode_chunks(
-                **fields, session=self._session, seqs=self._seq, chunk_bytes=self._chunk_bytes
+                **fields,
+                session=self._session,
+                seqs=itertools.chain([first], self._seq),
+                chunk_bytes=self._chunk_bytes,
             )
-            if departure is not None:
-                departure.track(chunks[-1])
-            return lambda: self._outbound.send_stream(out.address, out.key, out.member, chunks)
+            if departure is not None:  # (each connection's last chunk: they go over them in turn)
+                for chunk in chunks[-self._lanes :]:
+                    departure.track(chunk)
+            return lambda: self._outbound.send_stream(out.address, out.key, out.member, chunks, first)
         except BaseException:
             if departure is not None:
                 departure.gone()
@@ -478,6 +490,7 @@ class Transport:
             self._drain(router)
         for target, connection in self.connections.readable(events):
             self._drain_replies(target, connection)
+        self._send_credits(router)
         self.connections.read_refusals(events)
         if self._wake_r in events:
             self._drain_wakeups()
@@ -499,6 +512,8 @@ class Transport:
                 self._authenticator.check()  # supervised: its death is this thread's failure
             self.connections.expire(now)
             self._assembler.expire(now)
+            self._credits.expire(now)
+            self._outbound.expire(now)
             self._next_housekeeping = now + _HOUSEKEEPING_S
 
     def _tick_services(self, now: float) -> None:
@@ -542,7 +557,7 @@ class Transport:
             except zmq.Again:
                 return
             self.stats.bytes_received += sum(len(f) for f in frames)
-            self._accept(None, frames, key=target[1].decode())
+            self._accept(None, frames, key=target[1].decode(), reply=target)
 
     def reject(self, peer: str, reason: str, detail: str = "") -> None:
         """Count a message from ``peer`` that was rejected (network thread; services use it too)."""
@@ -552,10 +567,16 @@ class Transport:
         """Who sent ``message``, as rejections count it (the sender's key when CURVE is on)."""
         return self._identities.name(message.key, message.sender)
 
-    def _accept(self, routing_id: bytes | None, frames: Sequence[zmq.Frame], key: str | None = None) -> None:
+    def _accept(
+        self,
+        routing_id: bytes | None,
+        frames: Sequence[zmq.Frame],
+        key: str | None = None,
+        reply: Target | None = None,
+    ) -> None:
         """One received message, in its own error scope: whatever it raises is its rejection.
-        ``routing_id``: the sender's connection to the ROUTER (None: a reply on a DEALER, from
-        the peer with ``key``)."""
+        ``routing_id``: the sender's connection to the ROUTER (None: a reply on the DEALER to
+        ``reply``, from the peer with ``key``)."""
         claimed, lane = (None, "") if routing_id is None else _claimed(routing_id)
         if key is None:
             key = _user_id(frames[0]) if self.curve is not None and frames else ""
@@ -564,7 +585,9 @@ class Transport:
             if self.stats.rejections.shunned(peer):
                 self.reject(peer, "shunned")
             else:
-                self._take(key, claimed, lane, routing_id, frames)
+                via = routing_id if routing_id is not None else reply
+                assert via is not None, "a message comes over the ROUTER or back on a DEALER"
+                self._take(key, claimed, lane, via, frames)
         except WireError as exc:
             self.reject(peer, exc.reason, exc.detail)
         except Exception as exc:  # a bug, or an input no check foresaw: this message's end only
@@ -576,9 +599,11 @@ class Transport:
         key: str,
         claimed: str | None,
         lane_text: str,
-        routing_id: bytes | None,
+        via: bytes | Target,
         frames: Sequence[zmq.Frame],
     ) -> None:
+        """Check and deliver one message that came ``via`` a connection: the routing id of the
+        sender's DEALER at the ROUTER, or the target of this node's DEALER it came back on."""
         lane = int(lane_text) if lane_text.isdigit() and len(lane_text) <= 2 else -1 if lane_text else 0
         if not 0 <= lane < MAX_LANES:
             raise WireError("bad_lane", f"lane {shown(lane_text)} of a connection (0..{MAX_LANES - 1})")
@@ -587,12 +612,21 @@ class Transport:
         if claimed is not None and message.sender != claimed:
             raise WireError("sender_mismatch", f"header says {shown(message.sender)}")
         claimed = message.sender
-        last = self._identities.replayed(key, claimed, message.session, message.seq, lane)
+        if message.kind == CREDIT:  # (cumulative: a replayed or reordered one changes nothing)
+            self._take_credit(message, key)
+            return
+        if isinstance(via, tuple) and self.listen is not None:
+            raise WireError("unexpected_reply", f"a {shown(message.kind)} message back on a connection")
+        # chunks and whole messages are each in order on a connection, not with each other
+        sequence = lane + MAX_LANES if isinstance(decoded, Chunk) else lane
+        last = self._identities.replayed(key, claimed, message.session, message.seq, sequence)
         if last is not None:
             raise WireError("replayed", f"seq {message.seq} <= {last}")
-        if routing_id is not None and lane == 0:
-            self.connections.note_route(claimed, key, routing_id)
+        if isinstance(via, bytes) and lane == 0:
+            self.connections.note_route(claimed, key, via)
         if isinstance(decoded, Chunk):
+            stream = (key or claimed, message.session, message.seq - decoded.index)
+            self._credits.hold(stream, decoded.count, via, frames[1:])
             whole = message.kind not in self._piece_kinds
             taken = (self._assembler.add if whole else self._assembler.piece)(decoded, key or claimed)
             if taken is None:
@@ -609,6 +643,31 @@ class Transport:
             return
         elif not self._inbox.put(message):
             self.stats.drop("inbox_full")
+
+    def _take_credit(self, message: Message, key: str) -> None:
+        """A receiver's credit for a stream this node sends (see ``p2p.transport.credits``)."""
+        session, stream, released = (_credit_field(message, f) for f in ("session", "stream", "released"))
+        if session == self._session:  # (else a credit for an earlier run's stream: nothing to do)
+            self._outbound.credit(stream, released, key)
+
+    def _send_credits(self, router: zmq.Socket[bytes] | None) -> None:
+        """Tell senders of the chunks of their streams released since they were last told, each
+        on the connection its chunk came over."""
+        for via, meta in self._credits.due():
+            seq, session = next(self._seq), self._session
+            frames = encode(kind=CREDIT, sender=self.node_id, round=0, meta=meta, session=session, seq=seq)
+            connection = self.connections.find(via) if isinstance(via, tuple) else None
+            try:
+                if isinstance(via, bytes) and router is not None:
+                    router.send_multipart([via, *frames], flags=zmq.NOBLOCK)
+                elif connection is not None:
+                    connection.send(frames)
+                else:
+                    raise zmq.Again
+            except (zmq.ZMQError, RouteClosedError):  # gone, or full: a later credit makes up for it
+                self.stats.drop("credit_unsent")
+                continue
+            self.stats.bytes_sent += sum(len(f) for f in frames)
 
     def ready_at(self, address: str, key: str | None = None, *, member: bool = False) -> float:
         """Open the connection(s) to ``address`` ahead of the first send, if not open; returns
@@ -653,6 +712,7 @@ class Transport:
             return
         if self._authenticator is not None:
             self._authenticator.stop()
+        self._credits.close()  # (before the wake-up pipe closes: a chunk freed later wakes nothing)
         if self._thread is not None and self._thread.is_alive():
             self._context.term()  # its blocking calls end (ETERM), and it closes its sockets
         else:  # (any socket left open would keep term() waiting for ever: none may hang a close)
@@ -671,6 +731,13 @@ class _Outgoing:
     patient: bool
     fields: dict[str, Any]  # what ``p2p.wire.encode`` takes, but the sequence numbers
     departure: Departure | None  # (messages with tensors)
+
+
+def _credit_field(message: Message, name: str) -> int:
+    value = message.meta.get(name)
+    if message.tensors or not isinstance(value, int) or value < 0:
+        raise WireError("bad_credit", f"credit must carry session, stream, released: {shown(message.meta)}")
+    return value
 
 
 def _claimed(routing_id: bytes) -> tuple[str, str]:

@@ -1,14 +1,21 @@
 """What a node sends, on its network thread: whole messages at once, streams of chunks as each
-peer's socket takes them (``ZMQ_SNDHWM``), everything under the send cap when there is one
-(``p2p.transport.send_cap``).
+peer's socket takes them (``ZMQ_SNDHWM``) and its receiver grants credit for them, everything
+under the send cap when there is one (``p2p.transport.send_cap``).
 
-Per peer, what is sent keeps its order (a receiver takes only increasing sequence numbers): a
-message for a peer that a stream is being fed to goes after the stream, and a stream waits for
-the messages queued while its connection came up; under a cap, messages wait in one queue
-and streams pause between chunks, paused streams going first, in turn. Every queue is bounded
-(``MAX_QUEUED``, ``MAX_STREAMS_PER_PEER``): past it the oldest (or the newest, behind a stream)
-is dropped and counted. A stream to a node that does not listen goes over the ROUTER, which
-cannot be polled for one peer's room: it is retried every turn of the thread instead.
+A stream runs at most a window of chunks (``window_chunks``) ahead of what its receiver has
+released (``p2p.transport.credits``): the rest of the payload waits in the sender's memory, where
+it is anyway, rather than in the receiver's, which would otherwise hold every chunk that came
+before its reader wanted it (a neighbour's model for the next round, one per neighbour). A
+stream that gets no credit for ``CREDIT_WAIT_S`` is dropped (its receiver keeps what came).
+
+Per peer, streams go one after the other, each in order (a receiver takes only increasing
+sequence numbers, counted apart for chunks and for whole messages: ``p2p.security.identities``);
+whole messages do not wait behind a stream, so a stream held back for credit delays no
+membership message. A stream waits for the messages queued while its connection came up;
+under a cap, messages wait in one queue and streams pause between chunks, paused streams going
+first, in turn. Every queue is bounded (``MAX_QUEUED``, ``MAX_STREAMS_PER_PEER``): past it the
+oldest is dropped and counted. A stream to a node that does not listen goes over the ROUTER,
+which cannot be polled for one peer's room: it is retried every turn of the thread instead.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from p2p.transport.send_cap import SendPacer
 from p2p.transport.stats import TransportStats
 
 MAX_STREAMS_PER_PEER = 4  # streams queued to one peer; beyond, the oldest unfinished one is dropped
-MAX_QUEUED = 64  # messages waiting behind a peer's stream, or for the send cap (as ZMQ_SNDHWM)
+MAX_QUEUED = 64  # messages waiting for the send cap (as ZMQ_SNDHWM)
+WINDOW_BYTES = 16 << 20  # a stream's bytes sent ahead of its receiver's credit (in whole chunks)
+CREDIT_WAIT_S = 60.0  # a stream that gets no credit for this long is dropped
 
 
 class Outbound:
@@ -40,6 +49,8 @@ class Outbound:
     pacer: the send cap, or None.
     guarded: runs a send in the transport's error scope.
     unreachable: called with an address no message could be queued to.
+    lanes: connections a stream is spread over (``p2p.transport.connections``).
+    window_chunks: chunks a stream may run ahead of its receiver's credit.
     """
 
     def __init__(
@@ -51,10 +62,14 @@ class Outbound:
         guarded: Callable[[str, Callable[[], None]], None],
         unreachable: Callable[[str], None],
         lanes: int = 1,
+        window_chunks: int = 2,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._connections, self._poller, self._stats, self._pacer = connections, poller, stats, pacer
         self._guarded, self._unreachable, self._lanes = guarded, unreachable, lanes
-        self._streams: dict[Target, deque[_Queued]] = {}  # per peer: a stream and what waits behind
+        self._window, self._clock = window_chunks, clock
+        self._streams: dict[Target, deque[_Queued]] = {}  # per peer: its streams, in order
+        self._by_first: dict[int, Target] = {}  # a stream's first seq -> its peer (for credit)
         # sends waiting for the pacer, with what tracks their message's way out
         self._held: deque[tuple[Callable[[], None], Departure | None]] = deque()
         self._paused: dict[Target, None] = {}  # streams waiting for the pacer, in turn
@@ -112,15 +127,6 @@ class Outbound:
         self, address: str, key: str | None, member: bool, frames: list[Any], *, patient: bool = False
     ) -> None:
         targets = self._connections.targets(address, key)
-        behind_a_stream = [t for t in targets if t in self._streams]
-        for target in behind_a_stream:  # it goes after what is being streamed there, in order
-            if len(self._streams[target]) >= MAX_QUEUED:
-                self._stats.drop("peer_unreachable_or_full")
-                continue
-            self._streams[target].append(_Queued(deque([(0, frames)]), stream=False))
-        targets = [t for t in targets if t not in self._streams]
-        if behind_a_stream and not targets:
-            return
         sent = sum(
             self._connections.send(target, frames, verified=member, patient=patient) for target in targets
         )
@@ -133,7 +139,11 @@ class Outbound:
             self._stats.messages_sent += 1
             self._count_sent(sum(_nbytes(f) for f in frames))
 
-    def send_stream(self, address: str, key: str | None, member: bool, chunks: list[list[Any]]) -> None:
+    def send_stream(
+        self, address: str, key: str | None, member: bool, chunks: list[list[Any]], first_seq: int
+    ) -> None:
+        """Queue a stream (its chunks' frames; ``first_seq``: the seq of its chunk 0, which its
+        receiver's credit names it by)."""
         targets = self._connections.targets(address, key)
         if len(targets) != 1:  # CURVE, and the peer's key not known (or not trusted)
             self._stats.drop("peer_key_unknown")
@@ -148,11 +158,41 @@ class Outbound:
         for lane in lanes:
             self._connections.get(_lane(target, lane), verified=member)
         queued = self._streams.setdefault(target, deque())
-        if sum(q.stream for q in queued) >= MAX_STREAMS_PER_PEER:
-            queued.remove(next(q for q in queued if q.stream))  # its receiver drops what it had of it
+        if len(queued) >= MAX_STREAMS_PER_PEER:
+            self._forget(queued.popleft())  # its receiver keeps what it had of it
             self._stats.drop("stream_backlog")
-        queued.append(_Queued(deque((lanes[i % len(lanes)], chunk) for i, chunk in enumerate(chunks))))
+        chunk_lanes = deque((lanes[i % len(lanes)], chunk) for i, chunk in enumerate(chunks))
+        queued.append(_Queued(chunk_lanes, first_seq, key=target[1]))
+        self._by_first[first_seq] = target
         self.feed(target)
+
+    def credit(self, first_seq: int, released: int, key: str) -> bool:
+        """The receiver of stream ``first_seq`` (under CURVE ``key``; "" without) released
+        ``released`` of its chunks: the stream may run that many more. False when no such
+        stream is being sent to a node of that key (a late credit, or a stranger's)."""
+        target = self._by_first.get(first_seq)
+        if target is None:
+            return False
+        queued = next((q for q in self._streams.get(target, ()) if q.first_seq == first_seq), None)
+        if queued is None or (queued.key and queued.key.decode() != key):
+            return False
+        queued.credited = max(queued.credited, released)
+        if queued is self._streams[target][0] and queued.waiting_since is not None:
+            self.feed(target)
+        return True
+
+    def expire(self, now: float) -> None:
+        """Drop the streams that have waited for credit for ``CREDIT_WAIT_S`` (their receiver
+        keeps what it released; the next stream to that peer goes on)."""
+        for target, queued in list(self._streams.items()):
+            head = queued[0]
+            if head.waiting_since is not None and now - head.waiting_since > CREDIT_WAIT_S:
+                self._forget(queued.popleft())
+                self._stats.drop("stream_credit_timeout")
+                if queued:
+                    self.feed(target)
+                else:
+                    del self._streams[target]
 
     def writable(self, events: dict[Any, int]) -> list[Target]:
         """The peers with streams whose sockets (the lane of their next chunk) have room again."""
@@ -163,19 +203,26 @@ class Outbound:
         ]
 
     def feed(self, target: Target) -> None:
-        """Send the peer's waiting chunks, each on its lane, in order, while the lanes take them
-        (and the cap allows); then wait for room on the lane (or for the pacer)."""
+        """Send the peer's waiting chunks, each on its lane, in order, while the lanes take them,
+        the receiver's credit allows and the cap too; then wait for room on the lane, for
+        credit, or for the pacer."""
         queued = self._streams.get(target)
         first = self._connections.find(target)
         if first is not None and first.waiting:  # older messages wait for the connection: first
             self._wait_for_room(target, first)
             return
         while queued:
-            chunks = queued[0].chunks
-            lane, frames = chunks[0]
+            stream = queued[0]
+            if stream.sent >= stream.credited + self._window:
+                stream.waiting_since = stream.waiting_since or self._clock()
+                self._unpoll(target)
+                self._retry.pop(target, None)
+                return
+            stream.waiting_since = None
+            lane, frames = stream.chunks[0]
             connection = self._connections.find(_lane(target, lane))
             if connection is None:  # closed meanwhile (idle, evicted): what it had to send is gone
-                self._streams.pop(target, None)
+                self._drop_streams(target)
                 self._stats.drop("stream_connection_closed")
                 return
             if self._pacer is not None and self._pacer.wait_s() > 0:
@@ -190,11 +237,12 @@ class Outbound:
             except RouteClosedError:
                 self._connections.forget_route(target)  # (which drops its streams: see closed)
                 return
-            connection.used = time.monotonic()
-            chunks.popleft()
+            connection.used = self._clock()
+            stream.chunks.popleft()
+            stream.sent += 1
             self._count_sent(sum(_nbytes(f) for f in frames))
-            if not chunks:
-                queued.popleft()
+            if not stream.chunks:
+                self._forget(queued.popleft())
                 self._stats.messages_sent += 1
         self._streams.pop(target, None)
         self._unpoll(target)
@@ -211,9 +259,19 @@ class Outbound:
         first = _lane(target, 0)
         self._paused.pop(first, None)
         self._retry.pop(first, None)
-        if self._streams.pop(first, None):
+        if self._drop_streams(first):
             self._stats.drop("stream_connection_closed")
         self._unpoll(first)
+
+    def _drop_streams(self, target: Target) -> bool:
+        """Forget every stream queued to ``target``'s peer; whether there was one."""
+        queued = self._streams.pop(target, None)
+        for stream in queued or ():
+            self._forget(stream)
+        return bool(queued)
+
+    def _forget(self, stream: _Queued) -> None:
+        self._by_first.pop(stream.first_seq, None)
 
     def _count_sent(self, nbytes: int) -> None:
         self._stats.bytes_sent += nbytes
@@ -234,10 +292,14 @@ class Outbound:
 
 @dataclass
 class _Queued:
-    """A stream to a peer, or a message waiting behind one: its (lane, chunk frames) left."""
+    """A stream to a peer: its (lane, chunk frames) left, and its receiver's credit."""
 
     chunks: deque[tuple[int, list[Any]]]
-    stream: bool = True  # (counted against MAX_STREAMS_PER_PEER)
+    first_seq: int
+    key: bytes  # the receiver's CURVE key (b"": none)
+    sent: int = 0  # chunks handed to ZeroMQ
+    credited: int = 0  # chunks the receiver released
+    waiting_since: float | None = None  # when it began to wait for credit
 
 
 def _lane(target: Target, lane: int) -> Target:

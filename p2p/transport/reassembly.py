@@ -46,7 +46,7 @@ StreamName = tuple[str, int, int]  # sender, session, first seq
 
 class _Stream:
     def __init__(self, first: Chunk, now: float, *, assembled: bool) -> None:
-        self.first = first
+        self.first = replace(first, pieces=())  # (its bytes are the reader's to release)
         self.heard = now
         self.tensors = [np.empty(shape, dtype) for dtype, shape, _ in first.specs] if assembled else []
         self._views = [t.reshape(-1).view(np.uint8) for t in self.tensors]
