@@ -240,3 +240,18 @@ def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_
 def _taken(transport: Transport) -> int:
     """Messages a transport received or rejected."""
     return transport.stats.messages_received + transport.stats.messages_rejected
+
+
+def test_a_stream_begun_whole_is_finished_whole_when_its_reader_asks_for_pieces_midway() -> None:
+    """A node's algorithm asks for its kind piece by piece once it starts; a neighbour's stream
+    whose first chunks came before is assembled to the end, not lost half copied."""
+    vector = np.arange(3000, dtype=np.float32)
+    chunks = stream([vector], 4000)
+    assembler = Assembler()
+    assert assembler.add(chunks[0]) is None
+    results = [assembler.piece(chunk) for chunk in chunks[1:]]
+    assert all(r is None for r in results[:-1])
+    whole = results[-1]
+    assert whole is not None and whole.piece is None and np.array_equal(whole.tensors[0], vector)
+    later = stream([vector], 4000, first_seq=100)  # the next stream comes piece by piece
+    assert all(p is not None and p.piece is not None for p in map(assembler.piece, later))

@@ -15,7 +15,9 @@ the age its lag predicts, its weight divided by (1 + age); and a node whose neig
 it catches up (below, ``catch_up=2``). Any neighbour's late value is mixed so, not only a
 straggler's: where every neighbour is late (this node's downlink, or its neighbours, slower than
 its own steps) none is a straggler beside the others, and dropping their values, which come after
-each round's wait, left such a node mixing nothing at all. The mean is then no longer kept exactly,
+each round's wait, left such a node mixing nothing at all. (While a round waits for a neighbour's
+value of the round, the rest of that neighbour's late one is not mixed: a round mixes one value per
+neighbour, and the one that comes is the newer.) The mean is then no longer kept exactly,
 and on a loaded machine a neighbour slowed by the machine's own jitter is passed over too: with
 ``stragglers=wait`` a round waits for every neighbour, bounded by the round's wait limit, and the
 mean is exact whenever every value comes (a mesh then runs at its slowest node's pace).
@@ -57,7 +59,6 @@ arrived. The others hold each neighbour's value whole until the round mixes.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, ClassVar
 
@@ -138,6 +139,7 @@ class DPSGD(Averager):
         may_skip = not overlap and not self.topology.family.time_varying
         self.pace = pace_option(self.name, stragglers, catch_up, may_skip=may_skip, holds_back=True)
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
+        self._expected: set[str] = set()  # the neighbours whose value of this round is waited for
         self._send_copy = SendCopy(self.layout)
         self._sent_to: list[str] = []  # the neighbours the last round's value went to
         self._held_over: list[Envelope] = []  # pieces of the round before the one skipped to
@@ -186,9 +188,9 @@ class DPSGD(Averager):
         two. A straggler's link is not waited for: the copy it holds is left to it."""
         lagging = {t for t in self._sent_to if self.peer.backlog(t)}
         if lagging and not lagging & (self.pace.stragglers(lagging) | self._silent):
-            deadline = time.monotonic() + self.wait_limit()
-            while self._send_copy.held and time.monotonic() < deadline:
-                time.sleep(SEND_POLL_S)
+            deadline = self.peer.now() + self.wait_limit()
+            while self._send_copy.held and self.peer.now() < deadline:
+                self.peer.recv(SEND_POLL_S, ())  # (a pause on the network's clock: takes nothing)
         return self._send_copy.pack(self.params)
 
     def _mix_gathered(self, r: int, sending: MixingRow, snapshot: np.ndarray) -> RoundStats:
@@ -231,6 +233,7 @@ class DPSGD(Averager):
         self._mixing = {}
         neighbours = set(row.receive_from)
         waited = self._waited(neighbours)
+        self._expected = waited - self._silent
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
         early = self._early_pieces.pop(r, [])
         while early:
@@ -252,6 +255,7 @@ class DPSGD(Averager):
                 waiting = {j for j in waiting if not mix.complete(j)}
             else:
                 waiting &= self.peer.members(r)  # a neighbour that left is not waited for
+        self._expected = set()  # (the wait is over: a late value is welcome where none came)
         while self._receive(0, self.kinds, take):  # whatever else is here already
             pass
         held_over, self._held_over = self._held_over, []
@@ -282,8 +286,8 @@ class DPSGD(Averager):
             self._early_pieces[message.round].append(message)
         elif sender not in row.receive_from:
             self.dropped["not_a_neighbour"] += 1
-        elif age and not self.pace.mixes_late(sender, age, self.peer.now()):
-            self._heard_from(sender)  # too late: it is sending again
+        elif age and (sender in self._expected or not self.pace.mixes_late(sender, age, self.peer.now())):
+            self._heard_from(sender)  # too late (or this round's value comes): it is sending again
             self.dropped["stale"] += 1
         elif self._mixing.setdefault(sender, message.round) != message.round:
             self.dropped["stale"] += 1  # (a round mixes one value a neighbour: the first it took)

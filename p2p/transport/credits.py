@@ -27,10 +27,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from p2p.transport.reassembly import StreamName
+
 CREDIT = "credit"  # the message kind, handled by the transport itself
 IDLE_S = 30.0
-
-StreamName = tuple[str, int, int]  # sender, session, first seq
 
 
 @dataclass

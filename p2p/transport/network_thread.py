@@ -74,7 +74,7 @@ from p2p.transport.inbound import HANDSHAKE_MS, InboundGuard
 from p2p.transport.inbox import Inbox
 from p2p.transport.outbound import WINDOW_BYTES, Outbound
 from p2p.transport.polling import Poller
-from p2p.transport.reassembly import Assembler
+from p2p.transport.reassembly import Assembler, stream_name
 from p2p.transport.send_cap import SendPacer
 from p2p.transport.stats import TransportStats
 from p2p.wire import (
@@ -625,8 +625,7 @@ class Transport:
         if isinstance(via, bytes) and lane == 0:
             self.connections.note_route(claimed, key, via)
         if isinstance(decoded, Chunk):
-            stream = (key or claimed, message.session, message.seq - decoded.index)
-            self._credits.hold(stream, decoded.count, via, frames[1:])
+            self._credits.hold(stream_name(decoded, key or claimed), decoded.count, via, frames[1:])
             whole = message.kind not in self._piece_kinds
             taken = (self._assembler.add if whole else self._assembler.piece)(decoded, key or claimed)
             if taken is None:

@@ -44,6 +44,15 @@ IDLE_S = 10.0
 StreamName = tuple[str, int, int]  # sender, session, first seq
 
 
+def stream_name(chunk: Chunk, sender: str | None = None) -> StreamName:
+    """A stream's name: its sender (default: the one the chunk claims), session and first seq."""
+    return (
+        chunk.message.sender if sender is None else sender,
+        chunk.message.session,
+        chunk.message.seq - chunk.index,
+    )
+
+
 class _Stream:
     def __init__(self, first: Chunk, now: float, *, assembled: bool) -> None:
         self.first = replace(first, pieces=())  # (its bytes are the reader's to release)
@@ -140,7 +149,12 @@ class Assembler:
 
     def piece(self, chunk: Chunk, sender: str | None = None) -> Message | None:
         """The chunk as a message of its own (its ``piece`` says where it sits), once checked
-        against its stream as :meth:`add` checks it; None for a late chunk of a dropped stream."""
+        against its stream as :meth:`add` checks it; None for a late chunk of a dropped stream.
+        A stream that began to be assembled (before its reader asked for pieces) is finished
+        so, and comes whole."""
+        stream = self._streams.get(stream_name(chunk, sender))
+        if stream is not None and stream.tensors:
+            return self.add(chunk, sender)
         placed = self._place(chunk, sender, assembled=False)
         if placed is None:
             return None
@@ -155,8 +169,8 @@ class Assembler:
         self, chunk: Chunk, sender: str | None, *, assembled: bool
     ) -> tuple[StreamName, _Stream, int] | None:
         """The chunk's stream (started by its first chunk to come) and its stride there."""
-        sender = chunk.message.sender if sender is None else sender
-        name = (sender, chunk.message.session, chunk.message.seq - chunk.index)
+        name = stream_name(chunk, sender)
+        sender = name[0]
         now = self._clock()
         stream = self._streams.get(name)
         if stream is None:
