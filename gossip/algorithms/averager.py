@@ -29,7 +29,7 @@ import numpy as np
 
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix, Segments
-from gossip.buffers.vector import Layout, all_finite, scratch_for
+from gossip.buffers.vector import Layout, SendCopy, all_finite, scratch_for
 from gossip.messages import FINAL
 from gossip.network import Envelope, PeerNetwork
 from topologies import FAMILIES, MixingRow, Topology, mixing_row
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
 WAIT_FACTOR = 10.0
 FINAL_WAIT_S = 5.0  # the longest the final exchange waits for the neighbours' models
 MIN_WAIT_S = 0.05
+SEND_POLL_S = 0.001  # how often a node looks whether its last sends have left (see _send_frames)
 RECENT_ROUNDS = 32
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,8 @@ class Averager:
         self.staleness = Staleness()
         self.fallback_rounds = 0
         self._scratch = scratch_for(params)
+        self._send_copy = SendCopy(self.layout)  # what the model's values are sent from
+        self._sent_to: list[str] = []  # the neighbours the last value went to
         self._round_times: deque[float] = deque(maxlen=RECENT_ROUNDS)
         self._last_start: float | None = None
         self._silent: set[str] = set()  # neighbours not waited for until heard from again
@@ -194,7 +197,8 @@ class Averager:
         members = self.peer.members(last) | {self.peer.node_id}
         graph_round = 0 if self.topology.family.time_varying else last
         row = mixing_row(self.topology, members, self.peer.node_id, graph_round, self.peer.not_listening())
-        frames = self.layout.pack(self.params, copy=True)  # (mixing below writes the vector)
+        frames = self._send_frames()  # (mixing below writes the vector)
+        self._sent_to = list(row.send_to)
         for target in row.send_to:
             self.peer.send(target, FINAL, self.round, frames)
         mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
@@ -232,6 +236,22 @@ class Averager:
         if len(self._round_times) < RECENT_ROUNDS // 4:
             return self.round_timeout
         return min(self.round_timeout, max(MIN_WAIT_S, WAIT_FACTOR * statistics.median(self._round_times)))
+
+    def _send_frames(self, stragglers: Callable[[set[str]], set[str]] | None = None) -> list[np.ndarray]:
+        """The model's values now, copied for sending (in the buckets' dtypes: a bfloat16
+        model's in half its float32 vector's bytes). The last copy is reused once its sends have
+        left; where they still go out to neighbours other than ``stragglers`` (of those given)
+        and the silent ones, whose next values come after they took the last, they are waited
+        for, up to the round's wait limit: a node in step with its neighbours holds one copy of
+        its model for sending, not two. A straggler's link is not waited for: the copy it holds
+        is left to it, and a new one made."""
+        lagging = {t for t in self._sent_to if self.peer.backlog(t)}
+        passed_over = (stragglers(lagging) if stragglers and lagging else set()) | self._silent
+        if lagging and not lagging & passed_over:
+            deadline = self.peer.now() + self.wait_limit()
+            while self._send_copy.held and self.peer.now() < deadline:
+                self.peer.recv(SEND_POLL_S, ())  # (a pause on the network's clock: takes nothing)
+        return self._send_copy.pack(self.params)
 
     def _receive(self, timeout: float, kinds: tuple[str, ...], take: Callable[[Envelope], None]) -> bool:
         """Hand the next message of ``kinds`` that comes within ``timeout`` s to ``take``, and

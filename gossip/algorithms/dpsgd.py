@@ -68,7 +68,7 @@ from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundSt
 from gossip.algorithms.pace import pace_option
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix
-from gossip.buffers.vector import Frames, SendCopy
+from gossip.buffers.vector import Frames
 from gossip.messages import PARAMS
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow, Topology
@@ -78,7 +78,6 @@ if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
 
 COMPLETE = Topology("complete")
 OVERLAP_GAMMA = 0.5  # the consensus step of the overlapped, one-round-delayed mixing (see above)
-SEND_POLL_S = 0.001  # how often a round looks whether its last sends have left (see _send_frames)
 
 
 class DPSGD(Averager):
@@ -140,8 +139,6 @@ class DPSGD(Averager):
         self.pace = pace_option(self.name, stragglers, catch_up, may_skip=may_skip, holds_back=True)
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
         self._expected: set[str] = set()  # the neighbours whose value of this round is waited for
-        self._send_copy = SendCopy(self.layout)
-        self._sent_to: list[str] = []  # the neighbours the last round's value went to
         self._held_over: list[Envelope] = []  # pieces of the round before the one skipped to
 
     def after_step(self) -> RoundStats:
@@ -166,7 +163,7 @@ class DPSGD(Averager):
         # a bfloat16 model, half the bytes of its float32 vector) where the round mixes into the
         # vector as values arrive; a whole copy where the round mixes from it as well
         snapshot = None if self.streams else self.params.copy()
-        frames = self._send_frames() if snapshot is None else self.layout.pack(snapshot)
+        frames = self._send_frames(self.pace.stragglers) if snapshot is None else self.layout.pack(snapshot)
         self._sent_to = self.pace.ready(sending.send_to, self.peer.backlog, behind=1)
         for target in self._sent_to:
             self.peer.send(target, PARAMS, r, frames)
@@ -178,20 +175,6 @@ class DPSGD(Averager):
             stats = self._mix_gathered(r, sending, snapshot)
         self.pace.mixed(self.peer.now())
         return stats
-
-    def _send_frames(self) -> list[np.ndarray]:
-        """This round's value, copied for the sends (in the buckets' dtypes: a bfloat16 model's
-        in half its float32 vector's bytes). The last round's copy is reused once its sends have
-        left; where they still go out to neighbours this round waits for anyway (whose values
-        for this round come after they took the last), they are waited for, up to the round's
-        wait limit, so that a node in step with its neighbours holds one copy of its model, not
-        two. A straggler's link is not waited for: the copy it holds is left to it."""
-        lagging = {t for t in self._sent_to if self.peer.backlog(t)}
-        if lagging and not lagging & (self.pace.stragglers(lagging) | self._silent):
-            deadline = self.peer.now() + self.wait_limit()
-            while self._send_copy.held and self.peer.now() < deadline:
-                self.peer.recv(SEND_POLL_S, ())  # (a pause on the network's clock: takes nothing)
-        return self._send_copy.pack(self.params)
 
     def _mix_gathered(self, r: int, sending: MixingRow, snapshot: np.ndarray) -> RoundStats:
         """Round ``r`` (with overlap: r - 1) mixed once its values are gathered (bounded wait)."""

@@ -97,7 +97,7 @@ class SGP(Averager):
         self._newest: dict[str, int] = {}  # sender -> round of its newest share
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
-        self._send_copy = SendCopy(self.vector_layout)
+        self._push_copy = SendCopy(self.vector_layout)  # (shares: the vector as it is)
         self.pace = pace_option(self.name, stragglers, catch_up=0, holds_back=True)
         peer.take_pieces(self.kinds)
 
@@ -116,7 +116,7 @@ class SGP(Averager):
         targets = self.pace.ready(row.send_to, self.peer.backlog)
         if targets:
             with self.lock:
-                pushed = self._send_copy.pack(self.params)[0]  # it stays untouched while in flight
+                pushed = self._push_copy.pack(self.params)[0]  # it stays untouched while in flight
             starts, weights = zip(*self.segments, strict=True)
             meta = PushShare(list(starts), list(weights)).encode()
             for target in targets:
