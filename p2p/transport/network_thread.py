@@ -557,7 +557,7 @@ class Transport:
             except zmq.Again:
                 return
             self.stats.bytes_received += sum(len(f) for f in frames)
-            self._accept(None, frames, key=target[1].decode(), reply=target)
+            self._accept(target, frames, key=target[1].decode())
 
     def reject(self, peer: str, reason: str, detail: str = "") -> None:
         """Count a message from ``peer`` that was rejected (network thread; services use it too)."""
@@ -567,17 +567,11 @@ class Transport:
         """Who sent ``message``, as rejections count it (the sender's key when CURVE is on)."""
         return self._identities.name(message.key, message.sender)
 
-    def _accept(
-        self,
-        routing_id: bytes | None,
-        frames: Sequence[zmq.Frame],
-        key: str | None = None,
-        reply: Target | None = None,
-    ) -> None:
+    def _accept(self, via: bytes | Target, frames: Sequence[zmq.Frame], key: str | None = None) -> None:
         """One received message, in its own error scope: whatever it raises is its rejection.
-        ``routing_id``: the sender's connection to the ROUTER (None: a reply on the DEALER to
-        ``reply``, from the peer with ``key``)."""
-        claimed, lane = (None, "") if routing_id is None else _claimed(routing_id)
+        ``via``: the routing id of the sender's connection to the ROUTER, or the target of the
+        DEALER it came back on (from the peer with ``key``)."""
+        claimed, lane = _claimed(via) if isinstance(via, bytes) else (None, "")
         if key is None:
             key = _user_id(frames[0]) if self.curve is not None and frames else ""
         peer = self._identities.name(key, claimed or "?")
@@ -585,8 +579,6 @@ class Transport:
             if self.stats.rejections.shunned(peer):
                 self.reject(peer, "shunned")
             else:
-                via = routing_id if routing_id is not None else reply
-                assert via is not None, "a message comes over the ROUTER or back on a DEALER"
                 self._take(key, claimed, lane, via, frames)
         except WireError as exc:
             self.reject(peer, exc.reason, exc.detail)

@@ -166,20 +166,19 @@ class Outbound:
         self._by_first[first_seq] = target
         self.feed(target)
 
-    def credit(self, first_seq: int, released: int, key: str) -> bool:
+    def credit(self, first_seq: int, released: int, key: str) -> None:
         """The receiver of stream ``first_seq`` (under CURVE ``key``; "" without) released
-        ``released`` of its chunks: the stream may run that many more. False when no such
-        stream is being sent to a node of that key (a late credit, or a stranger's)."""
+        ``released`` of its chunks: the stream may run that many more. A credit for no stream
+        being sent to a node of that key (a late one, or a stranger's) changes nothing."""
         target = self._by_first.get(first_seq)
         if target is None:
-            return False
+            return
         queued = next((q for q in self._streams.get(target, ()) if q.first_seq == first_seq), None)
         if queued is None or (queued.key and queued.key.decode() != key):
-            return False
+            return
         queued.credited = max(queued.credited, released)
         if queued is self._streams[target][0] and queued.waiting_since is not None:
             self.feed(target)
-        return True
 
     def expire(self, now: float) -> None:
         """Drop the streams that have waited for credit for ``CREDIT_WAIT_S`` (their receiver
