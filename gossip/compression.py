@@ -35,13 +35,14 @@ positions wherever the vector lives.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
 from gossip.buffers.arrays import Array, array_module
+from gossip.buffers.vector import CHUNK
 from topologies.spec import Params, choice, number, parse_spec, spellings
 
 INT8_BLOCK = 256  # elements sharing one int8 scale: 4 bytes of scale per 256 bytes of values
@@ -69,18 +70,39 @@ class Encoded:
 
 
 class Codec:
-    """The identity codec (``none``): float32 as it is. Subclasses compress."""
+    """The identity codec (``none``): float32 as it is. Subclasses compress.
+
+    A codec encodes whole vectors, and decodes in two steps: :meth:`check` refuses frames that
+    are not a vector it makes (without building the vector), :meth:`add_decoded` adds the
+    decoded vector to another. The dense codecs work chunk by chunk: neither step, nor
+    encoding the difference of two vectors, makes a temporary the size of the model."""
 
     name = "none"
     #: whether decode(encode(x)) == x bit for bit
     exact = True
 
-    def encode(self, x: Array) -> Encoded:
-        return Encoded([array_module(x).ascontiguousarray(x, dtype=np.float32)])
+    def encode(self, x: Array, minus: Array | None = None) -> Encoded:
+        """Q(x), or Q(x - minus)."""
+        xp = array_module(x)
+        if minus is None:
+            return Encoded([xp.ascontiguousarray(x, dtype=np.float32)])
+        return Encoded([xp.subtract(x, minus, dtype=np.float32)])
+
+    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
+        """Raise :class:`CodecError` unless ``frames`` and ``meta`` encode ``size`` finite values."""
+        (values,) = _expect(frames, [(np.float32, size)])
+        _check_finite(values)
+
+    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+        """y += the vector that ``frames`` (checked) encode."""
+        y += frames[0]
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
-        (values,) = _expect(frames, [(np.float32, size)])
-        return _check_finite(values)
+        """The vector ``frames`` encode (checked first)."""
+        self.check(frames, meta, size)
+        out = array_module(frames[0]).zeros(size, dtype=np.float32)
+        self.add_decoded(out, frames, meta)
+        return out
 
     def for_round(self, round: int) -> Codec:
         """The codec that encodes round ``round``'s update (``auto`` picks one per epoch)."""
@@ -117,13 +139,20 @@ class Float16(Codec):
     name = "fp16"
     exact = False
 
-    def encode(self, x: Array) -> Encoded:
-        # Clip first: a value beyond fp16's range would become inf, which receivers refuse.
-        return Encoded([array_module(x).clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)])
+    def encode(self, x: Array, minus: Array | None = None) -> Encoded:
+        out = array_module(x).empty(x.size, dtype=np.float16)
+        for lo, hi, part in _chunks_of(x, minus):
+            # Clip first: a value beyond fp16's range would become inf, which receivers refuse.
+            out[lo:hi] = part.clip(-_FP16_MAX, _FP16_MAX)
+        return Encoded([out])
 
-    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
+    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         (values,) = _expect(frames, [(np.float16, size)])
-        return _check_finite(values.astype(np.float32))
+        _check_finite(values)
+
+    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+        for lo, hi in _spans(y.size):
+            y[lo:hi] += frames[0][lo:hi]  # (every float16 widens to float32 exactly)
 
 
 class BFloat16(Codec):
@@ -132,47 +161,64 @@ class BFloat16(Codec):
     name = "bf16"
     exact = False
 
-    def encode(self, x: Array) -> Encoded:
+    def encode(self, x: Array, minus: Array | None = None) -> Encoded:
         xp = array_module(x)
-        bits = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-        top = (bits.astype(np.uint64) + rounding) >> np.uint64(16)
-        # A finite value at the very top of the range rounds to inf: keep the largest finite.
-        top = xp.minimum(top & np.uint64(0x7FFF), np.uint64(0x7F7F)) | (top & np.uint64(0x8000))
-        return Encoded([top.astype(np.uint16)])
+        out = xp.empty(x.size, dtype=np.uint16)
+        for lo, hi, part in _chunks_of(x, minus):
+            bits = part.view(np.uint32)
+            rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+            top = (bits.astype(np.uint64) + rounding) >> np.uint64(16)
+            # A finite value at the very top of the range rounds to inf: keep the largest finite.
+            out[lo:hi] = xp.minimum(top & np.uint64(0x7FFF), np.uint64(0x7F7F)) | (top & np.uint64(0x8000))
+        return Encoded([out])
 
-    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
+    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         (top,) = _expect(frames, [(np.uint16, size)])
-        return _check_finite((top.astype(np.uint32) << np.uint32(16)).view(np.float32))
+        for lo, hi in _spans(size):  # all exponent bits set: inf or NaN
+            if bool(((top[lo:hi] & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()):
+                raise CodecError("non_finite", "NaN or infinite values")
+
+    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+        for lo, hi in _spans(y.size):
+            y[lo:hi] += (frames[0][lo:hi].astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 class Int8(Codec):
     """Symmetric int8 with one float32 scale per block of INT8_BLOCK elements (max-abs / 127,
-    round to nearest): about 3.9x fewer bytes than float32."""
+    round to nearest): about 3.9x fewer bytes than float32. No encoder makes -128 or a scale
+    above FLT_MAX / 127, so a checked vector decodes to finite values without being built."""
 
     name = "int8"
     exact = False
 
-    def encode(self, x: Array) -> Encoded:
+    def encode(self, x: Array, minus: Array | None = None) -> Encoded:
         xp = array_module(x)
-        blocks = _padded(x).reshape(-1, INT8_BLOCK)
-        scales = xp.abs(blocks).max(axis=1) / 127.0
-        safe = xp.where(scales > 0, scales, 1.0).astype(np.float32)
-        q = xp.rint(blocks / safe[:, None]).astype(np.int8).reshape(-1)[: x.size]
-        return Encoded([q, scales.astype(np.float32)])
+        q = xp.empty(x.size, dtype=np.int8)
+        scales = xp.empty(_block_count(x.size), dtype=np.float32)
+        for lo, hi, part in _chunks_of(x, minus):
+            blocks = _padded(part).reshape(-1, INT8_BLOCK)
+            block_scales = xp.abs(blocks).max(axis=1) / 127.0
+            blocks /= xp.where(block_scales > 0, block_scales, 1.0).astype(np.float32)[:, None]
+            q[lo:hi] = xp.rint(blocks).reshape(-1)[: hi - lo]
+            scales[lo // INT8_BLOCK : lo // INT8_BLOCK + block_scales.size] = block_scales
+        return Encoded([q, scales])
 
-    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
+    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         q, scales = _expect(frames, [(np.int8, size), (np.float32, _block_count(size))])
         _check_finite(scales)
         if not bool((array_module(scales).abs(scales) <= _INT8_MAX_SCALE).all()):
             raise CodecError(
                 "codec_scale", f"an int8 scale above {_INT8_MAX_SCALE:.3g}: no encoder makes one"
             )
-        padded = _padded(q)
-        blocks = padded.reshape(-1, INT8_BLOCK)
-        with np.errstate(over="ignore"):  # -128 at the largest scale overflows: refused just below
-            blocks *= scales[:, None]
-        return _check_finite(padded[:size])
+        if size and int(q.min()) == -128:  # (at the largest scales it decodes to -inf)
+            raise CodecError("codec_value", "an int8 value of -128: no encoder makes one")
+
+    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+        q, scales = frames
+        for lo, hi in _spans(y.size):
+            blocks = _padded(q[lo:hi]).reshape(-1, INT8_BLOCK)
+            blocks *= scales[lo // INT8_BLOCK : lo // INT8_BLOCK + blocks.shape[0], None]
+            y[lo:hi] += blocks.reshape(-1)[: hi - lo]
 
 
 class Sparse(Codec):
@@ -220,8 +266,9 @@ class Sparse(Codec):
     def kept(self, size: int) -> int:
         return max(1, min(size, math.ceil(self.fraction * size)))
 
-    def encode(self, x: Array) -> Encoded:
+    def encode(self, x: Array, minus: Array | None = None) -> Encoded:
         xp = array_module(x)
+        x = x if minus is None else xp.subtract(x, minus, dtype=np.float32)
         k = self.kept(x.size)
         if self.name == "topk":
             chosen = xp.argpartition(xp.abs(x), x.size - k)[x.size - k :]
@@ -237,7 +284,15 @@ class Sparse(Codec):
         mask[chosen] = True
         return Encoded([xp.packbits(mask), *values], {"sparse": "bitmap"})
 
-    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
+    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
+        self.entries(frames, meta, size)
+
+    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+        positions, values = self.entries(frames, meta, y.size)
+        y[positions] += values  # (positions are distinct)
+
+    def entries(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> tuple[Array, Array]:
+        """The positions and values ``frames`` carry (checked; raises :class:`CodecError`)."""
         form = meta.get("sparse")
         k = self.kept(size)
         split = 2 if form == "segments" else 1  # the frames of the positions, then of the values
@@ -254,10 +309,7 @@ class Sparse(Codec):
             positions = xp.flatnonzero(mask)
         else:
             raise CodecError("codec_format", f"unknown sparse format {form!r}")
-        values = self.values.decode(frames[split:], {}, k)
-        out = array_module(values).zeros(size, dtype=np.float32)
-        out[positions] = values
-        return out
+        return positions, self.values.decode(frames[split:], {}, k)
 
 
 def _segment_positions(counts: Array, offsets: Array, size: int) -> Array:
@@ -309,11 +361,14 @@ class AutoCodec(Codec):
                 return codec
         raise CodecError("codec_mismatch", f"encoded with {meta.get('codec')!r}; auto takes {_AUTO_NAMES}")
 
-    def encode(self, x: Array) -> Encoded:
+    def encode(self, x: Array, minus: Array | None = None) -> Encoded:
         raise TypeError("auto encodes with the codec of a round: codec.for_round(round).encode(x)")
 
-    def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
-        return self.for_message(meta).decode(frames, meta, size)
+    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
+        self.for_message(meta).check(frames, meta, size)
+
+    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+        self.for_message(meta).add_decoded(y, frames, meta)
 
 
 _AUTO_NAMES = ", ".join(codec.name for codec in AUTO_LADDER)
@@ -345,11 +400,12 @@ def _expect(frames: Sequence[Array], shapes: list[tuple[type, int]]) -> list[Arr
     return list(frames)
 
 
-def _check_finite(values: Array) -> Array:
-    """``values``, if none is NaN or infinite."""
-    if not array_module(values).isfinite(values).all():
-        raise CodecError("non_finite", "NaN or infinite values")
-    return values
+def _check_finite(values: Array) -> None:
+    """Raise unless no value is NaN or infinite (chunk by chunk: no temporary of their size)."""
+    xp = array_module(values)
+    for lo, hi in _spans(values.size):
+        if not bool(xp.isfinite(values[lo:hi]).all()):
+            raise CodecError("non_finite", "NaN or infinite values")
 
 
 def _block_count(size: int) -> int:
@@ -361,6 +417,22 @@ def _padded(x: Array) -> Array:
     padded = array_module(x).zeros(_block_count(x.size) * INT8_BLOCK, dtype=np.float32)
     padded[: x.size] = x
     return padded
+
+
+def _spans(size: int) -> Iterator[tuple[int, int]]:
+    """(lo, hi) of each CHUNK of a vector of ``size`` (a whole number of INT8_BLOCKs but the last)."""
+    for lo in range(0, size, CHUNK):
+        yield lo, min(size, lo + CHUNK)
+
+
+def _chunks_of(x: Array, minus: Array | None) -> Iterator[tuple[int, int, Array]]:
+    """Each chunk of x (or of x - minus) as float32 that may be written: (lo, hi, values)."""
+    xp = array_module(x)
+    for lo, hi in _spans(x.size):
+        if minus is None:
+            yield lo, hi, x[lo:hi].astype(np.float32, copy=True)
+        else:
+            yield lo, hi, xp.subtract(x[lo:hi], minus[lo:hi], dtype=np.float32)
 
 
 def _segment_count(size: int) -> int:

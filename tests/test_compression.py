@@ -26,6 +26,7 @@ from gossip import (
     consensus_distance,
 )
 from gossip.algorithms.choco import StepSize
+from gossip.buffers.vector import CHUNK
 from gossip.compression import INT8_BLOCK, SEGMENT
 from gossip.optim.outer import OuterNesterov
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
@@ -128,6 +129,34 @@ def test_randk_keeps_k_exact_values_at_random_positions() -> None:
     assert all(k.size == 500 for k in kept) and not np.array_equal(kept[0], kept[1])
     decoded = codec.decode(first.frames, first.meta, N)
     assert np.array_equal(decoded[kept[0]], x[kept[0]])
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "topk:0.01"])
+def test_a_difference_encodes_and_adds_chunk_by_chunk_as_it_decodes_whole(spec: str) -> None:
+    """Encoding x - minus, and adding the decoded vector, go chunk by chunk (a vector of three
+    chunks, the last short and ending mid int8 block): bit for bit what encoding the
+    difference whole and decoding it give."""
+    size = 2 * CHUNK + 1000
+    x, minus = vector(1, size), vector(2, size)
+    codec = Codec.parse(spec, seed=1)
+    whole = codec.encode(x - minus)
+    chunked = codec.encode(x, minus=minus)
+    assert whole.meta == chunked.meta
+    assert all(np.array_equal(a, b) for a, b in zip(whole.frames, chunked.frames, strict=True))
+    decoded = codec.decode(whole.frames, whole.meta, size)
+    y = minus.copy()
+    codec.check(chunked.frames, chunked.meta, size)
+    codec.add_decoded(y, chunked.frames, chunked.meta)
+    assert np.array_equal(y, minus + decoded)
+
+
+def test_int8_refuses_a_value_no_encoder_makes() -> None:
+    """-128 at the largest scale would decode to -inf: checking refuses it without decoding."""
+    q, scales = Codec.parse("int8").encode(vector()).frames
+    q[5] = -128
+    with pytest.raises(CodecError) as error:
+        Codec.parse("int8").check([q, scales], {}, N)
+    assert error.value.reason == "codec_value"
 
 
 @pytest.mark.parametrize(
@@ -262,16 +291,16 @@ def test_choco_sparse_step_size_follows_what_its_messages_carry() -> None:
 
 
 def test_choco_step_size_is_fixed_for_dense_codecs_and_adapts_for_sparse_ones() -> None:
-    difference = np.array([3.0, -4.0, 0.0, 0.0], np.float32)
-    sent = np.array([0.0, -4.0, 0.0, 0.0], np.float32)  # 16 of the 25 owed
+    owed, carried = 25.0, 16.0  # |d|² of d = (3, -4, 0, 0); |Q(d)|² of Q(d) = (0, -4, 0, 0)
     topk, int8 = Codec.parse("topk:0.25"), Codec.parse("int8")
-    assert StepSize(None).update(int8, difference, sent) == 1.0
-    assert StepSize(0.3).update(topk, difference, sent) == 0.3
+    assert StepSize(None).update(int8, owed, carried) == 1.0
+    assert StepSize(0.3).update(topk, owed, carried) == 0.3
     adaptive = StepSize(None)
-    assert adaptive.update(topk, difference, sent) == pytest.approx(0.64)
-    assert adaptive.update(topk, difference, difference) == pytest.approx(0.9 * 0.64 + 0.1 * 1.0)
-    assert adaptive.update(int8, difference, sent) == 1.0  # a dense round leaves the quality be
-    assert adaptive.update(topk, np.zeros(4, np.float32), sent) == pytest.approx(0.676)  # none owed
+    assert adaptive.measures(topk) and not adaptive.measures(int8) and not StepSize(0.3).measures(topk)
+    assert adaptive.update(topk, owed, carried) == pytest.approx(0.64)
+    assert adaptive.update(topk, owed, owed) == pytest.approx(0.9 * 0.64 + 0.1 * 1.0)
+    assert adaptive.update(int8, owed, carried) == 1.0  # a dense round leaves the quality be
+    assert adaptive.update(topk, 0.0, carried) == pytest.approx(0.676)  # none owed
     with pytest.raises(ValueError, match=re.escape("CHOCO: gamma must be in (0, 1], got 1.5")):
         StepSize(1.5)
 
@@ -315,7 +344,7 @@ def test_a_lost_update_is_repaired_with_a_full_copy() -> None:
     for holder in (0, 1):
         held = choco[holder]._replicas["node-2"]
         assert held.value is not None and np.array_equal(held.value, choco[2].public)
-    assert choco[2].full_copies_sent == 3  # one to each neighbour at the start, one after the gap
+    assert choco[2].full_copies_sent == 1  # after the gap (at the start, replicas begin at 0)
 
 
 def test_outer_nesterov_step_matches_its_definition() -> None:

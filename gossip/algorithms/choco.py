@@ -12,10 +12,12 @@ What Q drops stays in x_i - x̂_i and goes out in later rounds: the replica diff
 error feedback that lets biased compressors (top-k, int8) converge. With an exact codec and
 γ = 1 this is D-PSGD's mixing step.
 
-A replica must take in every q of its sender, in order. Each q carries its round. A holder with
-no replica yet (first contact, a new neighbour after a membership change) or that sees a gap
-(a lost message, a sender that restarted) asks the sender for its public copy and applies the
-q's that follow it. Round r mixes every public copy at its round-r version, its own included:
+A replica must take in every q of its sender, in order. Each q carries its round. Every
+public copy is 0 before round 0 (the paper's x̂⁰ = 0): the first q carries the whole model,
+compressed, and a holder starts its replica from a neighbour's round-0 q with no copy sent.
+A holder that first hears of a neighbour at a later round (a new neighbour after a membership
+change, a restart) or that sees a gap (a lost message) asks the sender for its public copy and
+applies the q's that follow it. Round r mixes every public copy at its round-r version, its own included:
 then the pair terms w_ij (x̂_j - x̂_i) and w_ji (x̂_i - x̂_j) cancel and the mean of the models is
 kept exactly. A q that comes ahead of its round waits for it; one that comes after its round was
 mixed is still added (updates add up, nothing goes stale), and that neighbour is left out of
@@ -48,7 +50,7 @@ in pinned memory, ``gossip.buffers.arrays.to_host``) and back (``to_device``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,8 +59,8 @@ import numpy as np
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
-from gossip.buffers.vector import add_scaled, all_finite
-from gossip.compression import Codec, CodecError, Sparse
+from gossip.buffers.vector import add_scaled, all_finite, squared_distance
+from gossip.compression import Codec, CodecError, Encoded, Sparse
 from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow
@@ -99,17 +101,20 @@ class StepSize:
         self.value = 1.0 if fixed is None else fixed
         self._quality: float | None = None
 
-    def update(self, codec: Codec, difference: Array, sent: Array) -> float:
-        """γ for the round whose ``difference`` went out as ``sent`` (= Q(difference)) by
-        ``codec``: the fixed one, 1 for a dense codec, else the running quality."""
+    def measures(self, codec: Codec) -> bool:
+        """Whether a round encoded by ``codec`` updates the running quality (then
+        :meth:`update` wants what the round owed and what it carried)."""
+        return self.fixed is None and isinstance(codec, Sparse)
+
+    def update(self, codec: Codec, owed: float = 0.0, carried: float = 0.0) -> float:
+        """γ for a round encoded by ``codec`` that owed ``owed`` = |d|² and carried ``carried``
+        = |Q(d)|²: the fixed one, 1 for a dense codec, else the running quality."""
         if self.fixed is not None:
             return self.fixed
-        if not isinstance(codec, Sparse):
+        if not self.measures(codec):
             return 1.0  # (a sparse codec's dense round leaves its running quality alone)
-        xp = array_module(difference)
-        owed = float(xp.vdot(difference, difference))
         if owed > 0 and math.isfinite(owed):
-            quality = float(xp.vdot(sent, sent)) / owed
+            quality = carried / owed
             previous = quality if self._quality is None else self._quality
             self._quality = QUALITY_MEMORY * previous + (1 - QUALITY_MEMORY) * quality
             self.value = min(1.0, max(MIN_GAMMA, self._quality))
@@ -125,6 +130,17 @@ def pair_gamma(meta: Mapping[str, Any]) -> float | None:
     return gamma if 0 < gamma <= 1 else None
 
 
+@dataclass(frozen=True)
+class _Update:
+    """A neighbour's q as it came, checked but not decoded (int8: a quarter of its decoded
+    bytes): decoded into its replica when its turn comes."""
+
+    codec: Codec
+    frames: Sequence[Array]
+    meta: Mapping[str, Any]
+    gamma: float  # the sender's γ at its round
+
+
 @dataclass
 class _Replica:
     """A neighbour's public copy as this node holds it, at the version of one round."""
@@ -132,7 +148,7 @@ class _Replica:
     value: Array | None = None  # None until the sender's full copy arrives (on this node's device)
     next_round: int = 0  # the round of the next q to add (the value is that of the round before)
     gamma: float = 1.0  # the sender's γ at the value's round
-    pending: dict[int, tuple[Array, float]] = field(default_factory=dict)  # (q, γ)'s not added yet
+    pending: dict[int, _Update] = field(default_factory=dict)  # the q's not added yet, by round
     asked_at: float = -math.inf  # when the full copy was last requested (peer.now() s)
 
     def catch_up(self, upto: int) -> bool:
@@ -142,9 +158,9 @@ class _Replica:
             return True
         start = self.next_round
         with np.errstate(over="ignore"):  # an overflow is what the check below catches
-            while self.next_round <= upto and (taken := self.pending.pop(self.next_round, None)) is not None:
-                q, self.gamma = taken
-                self.value += q
+            while self.next_round <= upto and (q := self.pending.pop(self.next_round, None)) is not None:
+                q.codec.add_decoded(self.value, q.frames, q.meta)
+                self.gamma = q.gamma
                 self.next_round += 1
         if self.next_round == start or _finite(self.value):
             return True
@@ -190,7 +206,7 @@ class CHOCO(Averager):
         super().__init__(peer, params, **common)
         self.codec = codec
         self.step_size = StepSize(gamma)
-        self.public = params.copy()  # x̂_i
+        self.public = array_module(params).zeros_like(params)  # x̂_i
         self._published = -1  # the last round whose q is in self.public
         self._published_gamma = self.step_size.value  # this node's γ at that round
         self._replicas: dict[str, _Replica] = {}
@@ -204,16 +220,13 @@ class CHOCO(Averager):
             self._skip_to(skip)
         r = self.round
         codec = self.codec.for_round(r)
-        difference = self.params - self.public
-        encoded = codec.encode(difference)
         row = self._row(r)
         try:
-            sent = codec.decode(encoded.frames, encoded.meta, self.public.size)
+            encoded = self._publish(codec)
         except CodecError as exc:  # this node's own model diverged: nothing it could send is sane
             self.dropped[f"own_update_{exc.reason}"] += 1
         else:
-            self.public += sent
-            self._published, self._published_gamma = r, self.step_size.update(codec, difference, sent)
+            self._published = r
             frames = to_host(encoded.frames)
             meta = {**encoded.meta, "codec": str(codec), **ChocoStep(self._published_gamma).encode()}
             for target in row.send_to:
@@ -228,6 +241,22 @@ class CHOCO(Averager):
         self.pace.mixed(self.peer.now())
         return RoundStats(r, len(expected), len(expected & mixed), wait_s, row.topology)
 
+    def _publish(self, codec: Codec) -> Encoded:
+        """Encode q = Q(x - x̂), add it to the public copy x̂ and set this node's γ; raises
+        :class:`CodecError` (x̂ left as it was) when q is not finite. Chunk by chunk for the
+        dense codecs: no difference vector, no decoded one."""
+        size = self.public.size
+        owed = squared_distance(self.params, self.public) if self.step_size.measures(codec) else 0.0
+        encoded = codec.encode(self.params, minus=self.public)
+        codec.check(encoded.frames, encoded.meta, size)
+        codec.add_decoded(self.public, encoded.frames, encoded.meta)
+        carried = 0.0
+        if owed and isinstance(codec, Sparse):
+            _, values = codec.entries(encoded.frames, encoded.meta, size)
+            carried = float(array_module(values).vdot(values, values))
+        self._published_gamma = self.step_size.update(codec, owed, carried)
+        return encoded
+
     def _skip_to(self, r: int) -> None:
         """Go on from round ``r``: the public copy, unchanged by the rounds skipped, goes to the
         holders of its replicas as that of round r - 1, so the q of round r follows on."""
@@ -241,7 +270,7 @@ class CHOCO(Averager):
 
     def restart(self, round: int) -> None:
         super().restart(round)
-        self.public[...] = self.params
+        self.public[...] = self.params if round > 0 else 0  # (0 before round 0, as at the start)
         self._published = round - 1
         self._replicas.clear()
 
@@ -260,7 +289,7 @@ class CHOCO(Averager):
         for j in row.receive_from:
             replica = self._replicas.setdefault(j, _Replica())
             self._catch_up(replica, r)
-            if replica.value is None:
+            if replica.value is None and r > 0:  # (at round 0 it starts from the round-0 q)
                 self._ask_full_copy(j, replica)
         expected = set(row.receive_from) - self._silent - self.pace.stragglers(row.receive_from)
         deadline = self.peer.now() + self.wait_limit()
@@ -296,7 +325,8 @@ class CHOCO(Averager):
             return
         try:
             codec = self.codec.for_message(message.meta)
-            q = codec.decode(to_device(message.tensors, self.params), message.meta, self.params.size)
+            frames = to_device(message.tensors, self.params)
+            codec.check(frames, message.meta, self.params.size)
         except CodecError as exc:
             self.rejected[exc.reason] += 1
             return
@@ -309,7 +339,7 @@ class CHOCO(Averager):
         if message.round > self.round + MAX_PENDING:
             self.dropped["choco_ahead"] += 1  # it would wait for rounds this node is far from
             return
-        replica.pending[message.round] = (q, gamma)
+        replica.pending[message.round] = _Update(codec, frames, message.meta, gamma)
         self._accepted(message)
         self._catch_up(replica, self.round)
         if replica.value is None or replica.has_gap:
@@ -318,6 +348,8 @@ class CHOCO(Averager):
             self._ask_full_copy(sender, replica)
 
     def _catch_up(self, replica: _Replica, upto: int) -> None:
+        if replica.value is None and replica.next_round == 0 and 0 in replica.pending:
+            replica.value = array_module(self.params).zeros_like(self.params)  # (x̂⁰ = 0)
         if not replica.catch_up(upto):
             self.rejected["non_finite"] += 1
 

@@ -48,6 +48,16 @@ def all_finite(array: np.ndarray) -> bool:
     return all(bool(np.isfinite(flat[i : i + CHUNK]).all()) for i in range(0, flat.size, CHUNK))
 
 
+def squared_distance(a: Array, b: Array) -> float:
+    """|a - b|², chunk by chunk (numpy or cupy arrays alike)."""
+    xp = array_module(a)
+    total = 0.0
+    for i in range(0, a.size, CHUNK):
+        difference = xp.subtract(a[i : i + CHUNK], b[i : i + CHUNK])
+        total += float(xp.vdot(difference, difference))
+    return total
+
+
 def scratch_for(array: Array) -> Array:
     """A buffer for :func:`add_scaled` on vectors like ``array`` (on its device)."""
     return array_module(array).empty(min(array.size, CHUNK), dtype=array.dtype)
