@@ -13,10 +13,14 @@ For each model size (a wide MLP of linear layers in ``--dtype``), ``--nodes`` pr
 Per arm: the median round over every process's timed rounds (after warm-up), the bytes a
 process sent per timed round (at the socket; gloo's: what its ring moves, 2 (n - 1) / n of the
 vector), and the peak memory each process added over its model and optimizer (VmHWM after the
-peak is reset once the model is built), against the model's bytes.
+peak is reset once the model and the local optimizer are built, before the node or the
+allreduce's group is), against the model's bytes.
 
     python bench/scale.py [--params 10M,100M,1B] [--dtype float32|bfloat16] [--nodes 4] [--rounds 8]
-                          [--arms allreduce,dpsgd,...]
+                          [--arms allreduce,dpsgd,...] [--mix-in-place]
+
+``--mix-in-place``: the gossip arms mix in the model's own memory and dtype (a bfloat16 model's
+float32 copy, twice its bytes, is what keeps four 1B-parameter nodes from fitting in 24 GiB).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def reset_peak() -> int:
 
 
 def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, rounds: int,
-             ports: list[int], barrier: Barrier, out: Connection) -> None:  # fmt: skip
+             in_place: bool, ports: list[int], barrier: Barrier, out: Connection) -> None:  # fmt: skip
     logging.disable(logging.WARNING)  # every node of every arm would say it runs --insecure
     torch.set_num_threads(1)  # the processes share the cores (torchrun sets OMP_NUM_THREADS=1 so too)
     torch.manual_seed(0)
@@ -82,11 +86,11 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
     size = sum(p.numel() for p in model.parameters())
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if arm == "allreduce":
+        base = reset_peak()  # (the flat vector counts, as DDP's gradient buckets would)
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=nodes
         )
         vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        base = reset_peak()
 
         def one_round() -> None:
             dist.all_reduce(vector)
@@ -96,11 +100,12 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
     else:
         flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": str(nodes),
                  "id": f"node-{rank}", **({"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}),
-                 **GOSSIP_ARMS[arm]}  # fmt: skip
+                 "mix_in_place": in_place, **GOSSIP_ARMS[arm]}  # fmt: skip
         config = load(NodeConfig, flags)
+        local = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+        base = reset_peak()  # (what gossip holds from here on counts: a float32 copy of the model too)
         peer = gossipmesh.connect(config, model)
-        optimizer = config.gossip_optimizer(torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9), peer)
-        base = reset_peak()
+        optimizer = config.gossip_optimizer(local, peer)
 
         def one_round() -> None:
             optimizer.step()
@@ -128,11 +133,13 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
     out.send({"times": times, "added_bytes": added, "model_bytes": itemsize * size, "sent": sent_per_round})
 
 
-def run_arm(arm: str, nodes: int, params: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+def run_arm(
+    arm: str, nodes: int, params: int, dtype: torch.dtype, rounds: int, in_place: bool = False
+) -> dict[str, Any]:
     barrier = multiprocessing.get_context("fork").Barrier(nodes)
     ports = free_ports(nodes)
     results = run_forked(
-        nodes, _run_arm, lambda rank: (arm, rank, nodes, params, dtype, rounds, ports, barrier)
+        nodes, _run_arm, lambda rank: (arm, rank, nodes, params, dtype, rounds, in_place, ports, barrier)
     )
     times = [t for r in results for t in r["times"]]
     return {
@@ -148,8 +155,12 @@ def run_arm(arm: str, nodes: int, params: int, dtype: torch.dtype, rounds: int) 
 
 
 def parse_count(text: str) -> int:
-    units = {"K": 10**3, "M": 10**6, "G": 10**9}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+    """A parameter count: 25M, 1B (or 1G), 2.5K, 1000."""
+    units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
+    try:
+        return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1:].upper() in units else int(text)
+    except ValueError:
+        raise SystemExit(f"--params: {text!r} is not a count like 25M or 1B") from None
 
 
 def main() -> None:
@@ -165,6 +176,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4, help="processes (default: 4)")
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per arm (default: 8)")
     parser.add_argument("--arms", default="allreduce,dpsgd,sgp,adpsgd,choco-int8", help="arms, in order")
+    parser.add_argument(
+        "--mix-in-place", action="store_true", help="gossip arms mix in the model's memory and dtype"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()
     rows = []
@@ -174,7 +188,7 @@ def main() -> None:
     for params in map(parse_count, args.params.split(",")):
         reference = None
         for arm in args.arms.split(","):
-            row = run_arm(arm, args.nodes, params, dtype, args.rounds)
+            row = run_arm(arm, args.nodes, params, dtype, args.rounds, args.mix_in_place)
             rows.append(row)
             reference = row["round_s_median"] if arm == "allreduce" else reference
             ratio = f"{row['round_s_median'] / reference:.2f}x" if reference else "-"

@@ -36,6 +36,7 @@ EXAMPLES = {
     "quasi_global_momentum": ["--quasi-global-momentum", "0.9", "--momentum", "0"],
     "mix_momentum": ["--mix-momentum"],
     "no_average_buffers": ["--no-average-buffers"],
+    "mix_in_place": ["--mix-in-place"],
 }
 AUTO = {  # what the mesh tunes from measured times; a simulation measures virtual time
     "average_every=auto": ["--average-every", "auto"],

@@ -162,6 +162,11 @@ def test_repeated_and_comma_separated_bootstrap() -> None:
         (["--robust", "clip:k=2"], {}, "--robust: clip: unknown parameter 'k'; it takes: b"),
         (["--byzantine", "flip"], {}, "--byzantine: unknown corruption 'flip'; choose one of scale:FACTOR"),
         (["--checkpoint-every", "0"], {}, "--checkpoint-every: must be >= 1"),
+        (
+            ["--mix-in-place", "--algorithm", "choco"],
+            {},
+            "--mix-in-place: choco's codecs work on float32 values: leave out --mix-in-place",
+        ),
         (["--progress", "loud"], {}, "--progress: choose one of text, json, none, not 'loud'"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -49,20 +50,30 @@ def test_one_bucket_per_dtype_and_one_rounding_back() -> None:
 
 
 def _one_round(
-    precision: str, nodes: int = 3
+    precision: str, nodes: int = 3, staged: bool | None = None
 ) -> tuple[list[torch.nn.Module], list[MemoryPeer], list[np.ndarray]]:
     """Each node's model from its own seed, one D-PSGD round on a complete graph with lr 0;
     returns the models, their peers and what each held before."""
     network = MemoryNetwork()
     peers = [network.join(f"n{i}") for i in range(nodes)]
     models = [_model(i, precision) for i in range(nodes)]
-    before = [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]).numpy() for m in models]
+    before = [_values(m) for m in models]
     optimizers = [
-        GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology=Topology("complete"))
+        GossipOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.0), peer=p, topology=Topology("complete"), staged=staged
+        )
         for m, p in zip(models, peers, strict=True)
     ]
+    if staged is False:  # the model's own memory, in its dtype: no float32 copy
+        flat = optimizers[0].flat
+        assert not flat.staged and flat.array.dtype == BFLOAT16
+        assert flat.array.ctypes.data == flat.buckets[0].data_ptr()
     run_together(o.step for o in optimizers)
     return models, peers, before
+
+
+def _values(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]).numpy()
 
 
 def test_bfloat16_is_mixed_in_float32_and_rounded_once() -> None:
@@ -73,7 +84,7 @@ def test_bfloat16_is_mixed_in_float32_and_rounded_once() -> None:
     # a few float32 steps of the sum itself; accumulating in bfloat16 would round at every term
     bound = float32_ulp * (2**16 / 2 + 4)
     for model in models:
-        mixed = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]).numpy()
+        mixed = _values(model)
         error = np.abs(mixed - reference)
         assert error.max() > 0  # the mean of bfloat16 values is rarely one
         assert np.all(error <= bound)
@@ -81,12 +92,35 @@ def test_bfloat16_is_mixed_in_float32_and_rounded_once() -> None:
     assert all(peer.bytes_sent == 2 * 2 * size for peer in peers)  # 2 bytes a value, to 2 neighbours
 
 
+def test_a_bfloat16_model_mixed_in_place_rounds_once_per_neighbour() -> None:
+    """staged=False (--mix-in-place): each neighbour's value is mixed in float32 a block at a
+    time and rounded into the bfloat16 model: two roundings on a complete graph of 3, where the
+    float32 copy rounds once; the mean is kept to within them."""
+    models, peers, before = _one_round("bfloat16", staged=False)
+    reference = np.mean(before, axis=0)
+    largest = np.max(np.abs(before), axis=0).astype(np.float32)  # (what a partial mix can reach)
+    half_step = np.spacing(largest).astype(np.float64) * 2**16 / 2  # half a bfloat16 step there
+    bound = 2 * half_step + 1e-6 * np.abs(reference)
+    finals = [_values(m) for m in models]
+    for mixed in finals:
+        assert np.all(np.abs(mixed - reference) <= bound)
+    assert np.abs(np.mean(finals, axis=0) - reference).max() <= bound.max()
+    assert np.abs(finals[0] - reference).max() > 0  # (rounded: not exactly the mean)
+    size = sum(p.numel() for p in models[0].parameters())
+    assert all(peer.bytes_sent == 2 * 2 * size for peer in peers)  # 2 bytes a value, as before
+
+
+def test_mixing_in_place_needs_a_cpu_model_of_one_dtype() -> None:
+    with pytest.raises(ValueError, match=re.escape("needs a CPU model of one dtype, not several dtypes")):
+        FlatParameters(_model(0, "mixed").parameters(), staged=False)
+
+
 def test_a_model_of_two_dtypes_sends_each_at_its_width() -> None:
     models, peers, before = _one_round("mixed", nodes=2)
     weights = sum(p.numel() for p in models[0].parameters() if p.dtype == torch.bfloat16)
     biases = sum(p.numel() for p in models[0].parameters() if p.dtype == torch.float32)
     assert all(peer.bytes_sent == 2 * weights + 4 * biases for peer in peers)
-    finals = [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]).numpy() for m in models]
+    finals = [_values(m) for m in models]
     np.testing.assert_array_equal(finals[0], finals[1])  # both rounded the same float32 mean
     is_bias = np.concatenate([np.full(p.numel(), p.dtype == torch.float32) for p in models[0].parameters()])
     np.testing.assert_allclose(finals[0][is_bias], np.mean(before, axis=0)[is_bias], rtol=1e-6)

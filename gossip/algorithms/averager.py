@@ -243,14 +243,19 @@ class Averager:
         left; where they still go out to neighbours other than ``stragglers`` (of those given)
         and the silent ones, whose next values come after they took the last, they are waited
         for, up to the round's wait limit: a node in step with its neighbours holds one copy of
-        its model for sending, not two. A straggler's link is not waited for: the copy it holds
-        is left to it, and a new one made."""
+        its model for sending, not two. The limit is one of silence: while what is left to send
+        goes down, the wait goes on (a model that takes longer than the limit to cross its
+        link). A straggler's link is not waited for: the copy it holds is left to it, and a new
+        one made."""
         lagging = {t for t in self._sent_to if self.peer.backlog(t)}
         passed_over = (stragglers(lagging) if stragglers and lagging else set()) | self._silent
         if lagging and not lagging & passed_over:
             deadline = self.peer.now() + self.wait_limit()
+            left = sum(self.peer.backlog(t) for t in lagging)
             while self._send_copy.held and self.peer.now() < deadline:
                 self.peer.recv(SEND_POLL_S, ())  # (a pause on the network's clock: takes nothing)
+                if (now_left := sum(self.peer.backlog(t) for t in lagging)) < left:
+                    deadline, left = self.peer.now() + self.wait_limit(), now_left
         return self._send_copy.pack(self.params)
 
     def _receive(self, timeout: float, kinds: tuple[str, ...], take: Callable[[Envelope], None]) -> bool:

@@ -286,11 +286,8 @@ class CHOCO(Averager):
         members = self.peer.members(r)
         for gone in self._replicas.keys() - self.peer.members():
             del self._replicas[gone]
-        for j in row.receive_from:
-            replica = self._replicas.setdefault(j, _Replica())
-            self._catch_up(replica, r)
-            if replica.value is None and r > 0:  # (at round 0 it starts from the round-0 q)
-                self._ask_full_copy(j, replica)
+        for j in row.receive_from:  # (a replica with no start asks once j's q's show it: _take)
+            self._catch_up(self._replicas.setdefault(j, _Replica()), r)
         expected = set(row.receive_from) - self._silent - self.pace.stragglers(row.receive_from)
         deadline = self.peer.now() + self.wait_limit()
         while True:
@@ -317,7 +314,7 @@ class CHOCO(Averager):
             if self._valid(message, self.vector_layout):
                 self._heard_from(sender)
                 replica = self._replicas.setdefault(sender, _Replica())
-                replica.value = array_module(self.params).array(message.tensors[0], dtype=self.params.dtype)
+                replica.value = _owned(message.tensors[0], self.params)
                 replica.next_round, replica.gamma = message.round + 1, gamma
                 replica.pending = {k: q for k, q in replica.pending.items() if k > message.round}
                 self._catch_up(replica, self.round)
@@ -400,6 +397,15 @@ class CHOCO(Averager):
             usable.add(j)
         add_scaled(self.params, self.public, -total, self._scratch)
         return usable
+
+
+def _owned(value: Array, like: Array) -> Array:
+    """``value`` (a received full copy) to keep and add to: itself where it is a writable array
+    of ``like``'s kind (a large message's reassembly buffer), else a copy."""
+    xp = array_module(like)
+    if isinstance(value, type(like)) and value.dtype == like.dtype and value.flags.writeable:
+        return value
+    return xp.array(value, dtype=like.dtype)
 
 
 def _finite(value: Array) -> bool:

@@ -227,8 +227,13 @@ class DPSGD(Averager):
         timed_out = False
 
         def take(arrived: Envelope) -> None:
+            nonlocal deadline
             self._take_piece(arrived, r, row, mix)
+            if arrived.round == r and arrived.sender in waiting:  # (a value still coming in)
+                deadline = max(deadline, self.peer.now() + self.wait_limit())
 
+        # The wait limit is one of silence: a value whose pieces keep arriving (a model that
+        # takes longer than the limit to cross its link) is waited for to its end.
         while waiting and sum(mix.complete(j) for j in waited) < enough:
             remaining = deadline - self.peer.now()
             if remaining <= 0:

@@ -24,9 +24,11 @@ node never falls behind, and the whole mesh would run at its pace. Tolerating, a
 keeps the share of an out-neighbour whose link still carries an earlier push (``Pace.ready``)
 instead of queueing it there: push-sum stays exact with the share kept, where a queued push
 arrives ever staler behind a slow link and one dropped from a full queue takes its mass with it.
-A share older than ``max_staleness`` rounds is dropped and counted. The default bound is
-generous (256 rounds) because a dropped share takes its mass with it: push-sum is exact only
-while mass is conserved, and a node that keeps losing mass drives its weight towards zero.
+So does one whose last push, to any out-neighbour, still leaves while the copy it went out
+from is held: a node holds one push copy, not one per push in flight. A share older than
+``max_staleness`` rounds is dropped and counted. The default bound is generous (256 rounds)
+because a dropped share takes its mass with it: push-sum is exact only while mass is conserved,
+and a node that keeps losing mass drives its weight towards zero.
 
 Shares are mixed piece by piece as they arrive (``gossip.buffers.pieces``). A share from one of
 the next ``HOLD_ROUNDS`` rounds waits for its round, so nodes in step mix exactly as the graph
@@ -98,6 +100,7 @@ class SGP(Averager):
         self._later: list[Envelope] = []  # pieces of shares for rounds this node has not reached
         self._later_bytes = 0
         self._push_copy = SendCopy(self.vector_layout)  # (shares: the vector as it is)
+        self._pushed_to: list[str] = []  # the targets of the last push
         self.pace = pace_option(self.name, stragglers, catch_up=0, holds_back=True)
         peer.take_pieces(self.kinds)
 
@@ -113,8 +116,12 @@ class SGP(Averager):
         share = 1.0 / (len(row.send_to) + 1)
         # (at least the smallest float: a node cut off for a thousand rounds still pushes a weight)
         self.segments = [(start, max(weight * share, MIN_WEIGHT)) for start, weight in self.segments]
-        targets = self.pace.ready(row.send_to, self.peer.backlog)
+        # One push copy: while the last pushes still leave (a model larger than a round's worth
+        # of its links), this round's shares stay here too, as a busy link's do.
+        busy = self._push_copy.held and any(self.peer.backlog(t) for t in self._pushed_to)
+        targets = self.pace.ready(row.send_to, (lambda _: 1) if busy else self.peer.backlog)
         if targets:
+            self._pushed_to = targets
             with self.lock:
                 pushed = self._push_copy.pack(self.params)[0]  # it stays untouched while in flight
             starts, weights = zip(*self.segments, strict=True)

@@ -43,6 +43,13 @@ FLOAT_DTYPES: dict[torch.dtype, str] = {
 }
 
 
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array (bfloat16 as ml_dtypes' bfloat16), no copy."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.detach().view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16))
+    return tensor.detach().numpy()
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype that holds the values of a model's ``dtype`` (one of FLOAT_DTYPES)."""
     return dtype_named(FLOAT_DTYPES[dtype])
@@ -66,7 +73,11 @@ class FlatParameters:
         previous group's).
         staged: keep a separate host copy for :attr:`array`; None: when the vector cannot be
             the model's memory (a GPU model, a dtype other than the vector's, several dtypes).
-            True on a CPU float32 model runs the staged path, as the tests do.
+            True on a CPU float32 model runs the staged path, as the tests do. False: the vector
+            is the model's memory in the model's dtype (a CPU model of one dtype, else
+            ValueError): a bfloat16 or float16 model then has no float32 copy (2x its bytes),
+            and mixing rounds each neighbour's value into it as it mixes it in, where the
+            float32 copy rounds once per round.
         chunk: elements per staged copy (see ``gossip.buffers.staging``).
         copies: where staged copies run; None: a side stream on a GPU, at once on the CPU.
         tail: elements allocated after each bucket, outside the vector: room for a reader of a
@@ -117,10 +128,18 @@ class FlatParameters:
         self.param_size = sum(p.numel() for p in unique)
         self.model_size = self.param_size + sum(t.numel() for t in held)
         self.layout = Layout(tuple((numpy_dtype(b.dtype), b.numel()) for b in self.buckets))
-        self.vector_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
-        in_place = (
-            len(self.buckets) == 1 and self.buckets[0].dtype == self.vector_dtype and device.type == "cpu"
-        )
+        # what values widen to exactly (a state snapshot's dtype); the vector's, unless in place
+        self.wide_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+        self.vector_dtype = self.wide_dtype
+        one_cpu_bucket = len(self.buckets) == 1 and device.type == "cpu"
+        if staged is False:
+            if not one_cpu_bucket:
+                raise ValueError(
+                    "mixing in the model's own memory (staged=False, --mix-in-place) needs a CPU "
+                    f"model of one dtype, not {'several dtypes' if len(self.buckets) > 1 else device}"
+                )
+            self.vector_dtype = self.buckets[0].dtype
+        in_place = one_cpu_bucket and self.buckets[0].dtype == self.vector_dtype
         self.staged = not in_place if staged is None else staged or not in_place
         total = sum(b.numel() for b in self.buckets)
         on_gpu = device.type == "cuda"
@@ -151,7 +170,12 @@ class FlatParameters:
     def array(self) -> np.ndarray:
         """The parameters (and extras) as a host numpy vector: the model's own memory, or its
         host copy (as of the last :meth:`copy_to_host`) when staged."""
-        return self._host.detach().numpy()
+        return numpy_view(self._host)
+
+    @property
+    def model_vector(self) -> torch.Tensor:
+        """The model's values of :attr:`array` as a tensor on the host (a view)."""
+        return self._host.detach()[: self.model_size]
 
     @property
     def param_array(self) -> np.ndarray:

@@ -32,7 +32,7 @@ from typing import Protocol, TypeAlias
 
 import numpy as np
 
-from gossip.buffers.vector import Layout, all_finite
+from gossip.buffers.vector import Layout, all_finite, mix_into
 
 BLOCK = 1 << 18  # elements mixed at a time: a block of the vector and of the piece stay in cache
 
@@ -73,7 +73,8 @@ class RunningMix:
         params: the node's vector, mixed in place (its own value when the round begins).
         layout: how neighbours' values go on the wire.
         self_weight: the node's own weight in the round's row, one for the vector or by segment.
-        scratch: a buffer of at least ``min(BLOCK, params.size)`` elements of ``params``' dtype.
+        scratch: a buffer of at least ``min(BLOCK, params.size)`` elements of ``params``' mixing
+            dtype (``gossip.buffers.vector.mixing_dtype``).
         lock: held while a block of ``params`` is written.
         coverage: what is known of the messages (default: this mix's own).
     """
@@ -195,11 +196,9 @@ class RunningMix:
                 return done
             before = self._weights[segment]
             after = before + weight
+            block *= weight / after
             with self._lock:
-                target = self._params[start:stop]
-                target *= before / after
-                block *= weight / after
-                target += block
+                mix_into(self._params[start:stop], block, before / after)
             self._raise(start, stop, weight)
             done += block.size
         return done

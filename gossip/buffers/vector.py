@@ -58,23 +58,42 @@ def squared_distance(a: Array, b: Array) -> float:
     return total
 
 
+def mixing_dtype(dtype: np.dtype) -> np.dtype:
+    """What a vector of ``dtype`` is mixed in, a block at a time: float32 or float64 as they
+    are; float32 for a narrower model mixed in its own memory (``gossip.buffers.flat``)."""
+    return np.dtype(dtype) if dtype in (np.float32, np.float64) else np.dtype(np.float32)
+
+
 def scratch_for(array: Array) -> Array:
     """A buffer for :func:`add_scaled` on vectors like ``array`` (on its device)."""
-    return array_module(array).empty(min(array.size, CHUNK), dtype=array.dtype)
+    return array_module(array).empty(min(array.size, CHUNK), dtype=mixing_dtype(array.dtype))
+
+
+def mix_into(target: Array, block: Array, keep: float = 1.0) -> None:
+    """target <- keep * target + block (``block``, a scratch block, may be overwritten). A
+    target narrower than the block (a bfloat16 model mixed in its own memory) is computed in
+    the block's dtype and rounded into once."""
+    if target.dtype == block.dtype:
+        if keep != 1.0:
+            target *= keep
+        target += block
+        return
+    block += array_module(target).multiply(target, keep, dtype=block.dtype)
+    array_module(target).copyto(target, block, casting="same_kind")
 
 
 def add_scaled(y: Array, x: Array, a: float, scratch: Array) -> None:
     """y += a * x, chunk by chunk through ``scratch`` (numpy or cupy arrays alike); an ``x`` of
-    a narrower dtype (a bfloat16 frame) is widened to ``y``'s before it is scaled."""
+    another dtype than the scratch (a bfloat16 frame) is widened to it before it is scaled."""
     xp = array_module(y)
     for i in range(0, y.size, scratch.size):
         part = scratch[: min(scratch.size, y.size - i)]
-        if x.dtype == y.dtype:
+        if x.dtype == part.dtype:
             xp.multiply(x[i : i + part.size], a, out=part)
         else:
             xp.copyto(part, x[i : i + part.size], casting="same_kind")
             part *= a
-        y[i : i + part.size] += part
+        mix_into(y[i : i + part.size], part)
 
 
 @dataclass(frozen=True)

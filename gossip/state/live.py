@@ -59,7 +59,7 @@ class LiveState:
     ) -> None:
         self._flat, self._params, self._optimizer = flat, list(params), optimizer
         self._lock, self._counters, self._background = lock, counters, background
-        self._dtype = flat.vector_dtype
+        self._dtype = flat.wide_dtype
         self._found: Found | None = None  # at the last manifest
 
     def manifest(self) -> tuple[list[Entry], Counters]:
@@ -91,7 +91,7 @@ class LiveState:
         if not self._background:
             self._flat.wait_for_upload()  # (the buckets are read on the device's compute stream)
         flat = self._flat  # (the model's values: its parameters, then its averaged buffers)
-        params = [torch.from_numpy(flat.model_array)] if self._background else flat.model_segments
+        params = [flat.model_vector] if self._background else flat.model_segments
         arrays = [("params", self._dtype, params)]
         pairs = [(p, self._optimizer.state.get(p, {})) for p in self._params]
         buffers = {k for p, state in pairs for k, v in state.items() if _like(v, p)}

@@ -126,6 +126,7 @@ class Averaging(Options):
     quasi_global_momentum: float = o.QUASI_GLOBAL_MOMENTUM.field()
     mix_momentum: bool = o.MIX_MOMENTUM.field()
     no_average_buffers: bool = o.NO_AVERAGE_BUFFERS.field()
+    mix_in_place: bool = o.MIX_IN_PLACE.field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -154,6 +155,11 @@ class Averaging(Options):
                 self.algorithm.check(**options)
         except IncompatibleOptionsError as exc:
             raise ConfigError(self.in_flags(str(exc))) from None
+        check(
+            not (self.mix_in_place and isinstance(self.algorithm, Algorithm) and self.algorithm.compresses),
+            "--mix-in-place",
+            f"{self.algorithm}'s codecs work on float32 values: leave out --mix-in-place",
+        )
 
     def in_flags(self, message: str) -> str:
         """A message of the library in these options' words (see :func:`in_flags`)."""
@@ -195,6 +201,7 @@ class Averaging(Options):
             quasi_global_momentum=self.quasi_global_momentum,
             mix_momentum=self.mix_momentum,
             average_buffers=not self.no_average_buffers,
+            staged=False if self.mix_in_place else None,
             **options,
         )
 

@@ -219,6 +219,11 @@ NO_AVERAGE_BUFFERS = _switch(
     "keep the model's floating-point buffers (BatchNorm's running statistics) local instead of "
     "averaging them with the parameters"
 )
+MIX_IN_PLACE = _switch(
+    "mix in the model's own memory and dtype: a bfloat16 or float16 model then needs no float32 "
+    "copy (twice its bytes), each neighbour's value rounded into it as it is mixed (the copy "
+    "rounds once a round); for a CPU model of one dtype, not with CHOCO"
+)
 ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 2.0)
 COMPUTE_MS = Option(
     number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0
