@@ -4,18 +4,20 @@ transport handing large messages on chunk by chunk for it."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from dataclasses import replace
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import average_in_threads, started_peers, started_transport
 
-from gossip import SGP
+from gossip import DPSGD, SGP
 from gossip.algorithms.sgp import MAX_SEGMENTS, _merged
 from gossip.buffers.pieces import RunningMix
 from gossip.buffers.vector import Layout
-from gossipmesh.sim.memory import MemoryNetwork
+from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from p2p.wire import CHUNK_BYTES, Message, Piece
 from topologies import Topology
 
@@ -222,3 +224,76 @@ def test_push_sum_segments_of_nearly_equal_weight_are_joined_keeping_the_mass() 
     many = [(i, 1.0 + i) for i in range(MAX_SEGMENTS + 1)]  # too many for a share to carry
     ((start, weight),) = _merged(many, MAX_SEGMENTS + 1)
     assert start == 0 and weight == pytest.approx(np.mean([w for _, w in many]))
+
+
+class _PacedPeer:
+    """A node on a clock of its own, whose neighbour's pieces arrive ``step`` s apart on it; what
+    it does not take of its network it hands on to ``peer``."""
+
+    def __init__(self, peer: MemoryPeer, pieces: list[Message], step: float) -> None:
+        self._peer, self._pieces, self._step, self._clock = peer, pieces, step, 0.0
+        self._arrivals = [step * (k + 1) for k in range(len(pieces))]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def now(self) -> float:
+        return self._clock
+
+    def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Message | None:
+        """The next piece if it arrives within ``timeout`` (the clock moves to its arrival),
+        else None once ``timeout`` has passed."""
+        if self._arrivals and self._arrivals[0] <= self._clock + timeout:
+            self._clock = max(self._clock, self._arrivals.pop(0))
+            return self._pieces.pop(0)
+        self._clock += timeout
+        return None
+
+
+def test_a_value_whose_pieces_keep_arriving_is_waited_for_past_the_wait_limit() -> None:
+    """The wait limit (here the round timeout, 0.3 s) is one of silence: ten pieces 0.2 s apart
+    (2 s in all) are all mixed in. Timed from the round's start, the wait ended at 0.3 s with
+    one piece mixed in."""
+    own, theirs = np.zeros(1000), np.full(1000, 4.0)
+    network = MemoryNetwork()
+    peer = _PacedPeer(network.join("a"), _pieces("b", theirs, Layout.of(own), own.nbytes // 10), 0.2)
+    network.join("b")
+    dpsgd = DPSGD(peer, own, topology=Topology("complete"), round_timeout=0.3, stragglers="wait")
+    stats = dpsgd.after_step()
+    np.testing.assert_allclose(own, 2.0)  # (0 + 4) / 2 in every element
+    assert stats.arrived == 1 and peer.now() == pytest.approx(2.0)
+
+
+class _SlowLinkPeer:
+    """A node whose first push (to whichever out-neighbour) still leaves for the rest of the test."""
+
+    def __init__(self, peer: MemoryPeer) -> None:
+        self._peer = peer
+        self.pushed_to: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def send(self, to: str, kind: str, round: int, *args: Any) -> None:
+        if kind == "push":
+            self.pushed_to.append(to)
+        self._peer.send(to, kind, round, *args)
+
+    def backlog(self, to: str) -> int:
+        return int(to == self.pushed_to[0]) if self.pushed_to else 0
+
+
+def test_sgp_holds_one_push_copy_keeping_its_shares_while_the_last_push_leaves() -> None:
+    """On the one-peer exponential graph of 4 each round pushes to another out-neighbour. While
+    round 0's push still leaves (its copy held), round 1 keeps its share rather than make a
+    second copy: push-sum stays exact (the weight kept is the share not sent)."""
+    network = MemoryNetwork()
+    peer = _SlowLinkPeer(network.join("a"))
+    for name in ("b", "c", "d"):
+        network.join(name)
+    sgp = SGP(peer, np.ones(1000), topology=Topology.parse("one-peer-exponential"), round_timeout=0.05)
+    sgp.after_step()
+    assert sgp.weight == pytest.approx(0.5)  # half of it pushed
+    sgp.after_step()
+    assert len(peer.pushed_to) == 1 and sgp.pace.sends_held == 1
+    assert sgp.weight == pytest.approx(0.5)  # round 1's share kept
