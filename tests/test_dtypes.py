@@ -177,7 +177,8 @@ def test_meshes_of_every_dtype_reach_the_float32_accuracy(tmp_path: Path, no_oth
         # to a model of 0.95)
         accuracies[dtype] = report["average_model"]["accuracy"]
         assert min(n["final"]["accuracy"] for n in nodes) >= 0.9, (dtype, nodes)
-        sent[dtype] = sum(n["bytes_sent"] for n in nodes)
+        # per round: a loaded machine's meshes skip different numbers of rounds to catch up
+        sent[dtype] = sum(n["bytes_sent"] for n in nodes) / sum(n["rounds"] for n in nodes)
     assert accuracies["float32"] >= 0.94
     for dtype in ("bfloat16", "float16", "mixed"):
         assert accuracies[dtype] >= accuracies["float32"] - 0.02, accuracies

@@ -224,7 +224,9 @@ MIX_IN_PLACE = _switch(
     "copy (twice its bytes), each neighbour's value rounded into it as it is mixed (the copy "
     "rounds once a round); for a CPU model of one dtype, not with CHOCO"
 )
-ROUND_TIMEOUT = Option(_POSITIVE, "longest wait for a neighbour in a round, s", 2.0)
+ROUND_TIMEOUT = Option(
+    _POSITIVE, "longest wait for a neighbour in a round while nothing of its value arrives, s", 2.0
+)
 COMPUTE_MS = Option(
     number(float, at_least=0), "emulated step time: each step lasts at least this long, ms", 0.0
 )
