@@ -426,11 +426,12 @@ def _spans(size: int) -> Iterator[tuple[int, int]]:
 
 
 def _chunks_of(x: Array, minus: Array | None) -> Iterator[tuple[int, int, Array]]:
-    """Each chunk of x (or of x - minus) as float32 that may be written: (lo, hi, values)."""
+    """Each chunk of x (or of x - minus) as float32: (lo, hi, values). Read only: a chunk of a
+    float32 x is a view of it."""
     xp = array_module(x)
     for lo, hi in _spans(x.size):
         if minus is None:
-            yield lo, hi, x[lo:hi].astype(np.float32, copy=True)
+            yield lo, hi, x[lo:hi].astype(np.float32, copy=False)
         else:
             yield lo, hi, xp.subtract(x[lo:hi], minus[lo:hi], dtype=np.float32)
 

@@ -106,7 +106,7 @@ class StepSize:
         :meth:`update` wants what the round owed and what it carried)."""
         return self.fixed is None and isinstance(codec, Sparse)
 
-    def update(self, codec: Codec, owed: float = 0.0, carried: float = 0.0) -> float:
+    def update(self, codec: Codec, owed: float, carried: float) -> float:
         """γ for a round encoded by ``codec`` that owed ``owed`` = |d|² and carried ``carried``
         = |Q(d)|²: the fixed one, 1 for a dense codec, else the running quality."""
         if self.fixed is not None:
