@@ -705,7 +705,8 @@ def test_sharded_machines_reach_the_accuracy_of_whole_ones_holding_half_the_mode
         for name, report in (("whole", whole), ("sharded", sharded))
     }
     print(f"mean accuracy: {accuracy}")
-    assert accuracy["sharded"] >= 0.9 and abs(accuracy["sharded"] - accuracy["whole"]) <= 0.01, accuracy
+    # sharding costs no accuracy (it may come out ahead: the two meshes' timing differs)
+    assert accuracy["sharded"] >= max(0.9, accuracy["whole"] - 0.01), accuracy
     for machine, split in zip(whole["nodes"], sharded["nodes"], strict=True):
         assert len({r["params_digest"] for r in machine["local_ranks"]}) == 1  # one replica...
         assert len({r["params_digest"] for r in split["local_ranks"]}) == 2  # ...or two halves

@@ -181,11 +181,17 @@ def test_a_send_cap_holds_each_node_to_its_rate(tmp_path: Path) -> None:
     assert main([*argv, "--run-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     nodes = report["nodes"]
-    # while every node trains (its last point follows the final exchange, a second before)
-    start, end = 3.0, min(n["timeline"][-1]["t"] for n in nodes) - 1.0
+
+    def stepped_last(timeline: list[dict[str, float]]) -> float:
+        """When the node made its last training step (the final point follows the final
+        exchange, which waits for the neighbours' last values and sends little)."""
+        training = [p for p in timeline if p["step"] < timeline[-1]["step"]]
+        return min(p["t"] for p in training if p["step"] == training[-1]["step"])
 
     def point(timeline: list[dict[str, float]], t: float) -> dict[str, float]:
         return max((p for p in timeline if p["t"] <= t), key=lambda p: p["t"])
+
+    start, end = 3.0, min(stepped_last(n["timeline"]) for n in nodes)  # while every node trains
 
     for node in nodes:
         first, last = point(node["timeline"], start), point(node["timeline"], end)
