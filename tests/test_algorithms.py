@@ -331,6 +331,31 @@ def test_a_neighbour_whose_values_come_consistently_late_is_not_waited_for_until
     assert pace.report() == {"stragglers_passed_over": 2}
 
 
+def test_a_round_of_one_neighbour_tells_a_straggler_against_the_neighbours_of_other_rounds() -> None:
+    """On a time-varying graph a round has one in-neighbour: its lag is told slow or not against
+    every neighbour measured (the code before compared it with none and waited for each)."""
+    pace = Pace(tolerate=True, catch_up=0)
+    paced_rounds(pace, range(8), {"a": 0.002, "b": 0.009, "slow": 0.14})
+    assert pace.stragglers({"slow"}) == {"slow"}
+    assert pace.stragglers({"a"}) == pace.stragglers({"b"}) == set()
+
+
+def test_a_neighbour_that_moves_on_without_its_values_is_no_measure_of_the_others_lag() -> None:
+    """A neighbour whose values, when they come, are rounds ahead (a lag of 0: it holds most back
+    and waits for no one) but not of the rounds it is waited for: each such round is a lag
+    without end, and the ring's other neighbour, measured against it, is no straggler (the
+    code before passed over that one, and the node waited for no one)."""
+    pace = Pace(tolerate=True, catch_up=0)
+    paced_rounds(pace, range(8), {"ring": 0.14})
+    for r in range(8):
+        pace.arrived("ahead", 100 + r, 1.6)
+    assert pace.stragglers({"ahead", "ring"}) == {"ring"}  # (by the values that came)
+    for r in range(8, 12):
+        pace.not_in("ahead", r)
+        pace.not_in("ring", r)  # (not moved on: only late)
+    assert pace.stragglers({"ahead", "ring"}) == {"ahead"}
+
+
 def test_a_tolerant_node_holds_a_value_back_from_a_neighbour_whose_link_still_carries_one() -> None:
     pace, waiting = Pace(tolerate=True, catch_up=0), Pace(tolerate=False, catch_up=0)
     backlog = {"a": 0, "slow": 1}.__getitem__

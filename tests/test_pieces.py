@@ -297,3 +297,37 @@ def test_sgp_holds_one_push_copy_keeping_its_shares_while_the_last_push_leaves()
     sgp.after_step()
     assert len(peer.pushed_to) == 1 and sgp.pace.sends_held == 1
     assert sgp.weight == pytest.approx(0.5)  # round 1's share kept
+
+
+def test_a_neighbour_that_moved_past_the_round_without_its_value_is_not_waited_for() -> None:
+    """A neighbour's value of round 1 arrives (at 0.1 s) while this node waits for its value of
+    round 0, which it held back from its busy link: that one will not come, so the round ends
+    there, mixing nothing, and the round-1 value waits for its round. The code before waited
+    out the wait limit (5 s here) every such round."""
+    own, theirs = np.zeros(1000), np.full(1000, 4.0)
+    network = MemoryNetwork()
+    ahead = [replace(piece, round=1) for piece in _pieces("b", theirs, Layout.of(own), own.nbytes)]
+    peer = _PacedPeer(network.join("a"), ahead, 0.1)
+    network.join("b")
+    dpsgd = DPSGD(peer, own, topology=Topology("complete"), round_timeout=5.0)
+    stats = dpsgd.after_step()
+    assert stats.arrived == 0 and peer.now() == pytest.approx(0.1)
+    np.testing.assert_array_equal(own, 0.0)
+    dpsgd.after_step()  # round 1: its value is here
+    np.testing.assert_allclose(own, 2.0)
+
+
+def test_sgp_does_not_wait_for_a_share_its_sender_kept_and_moved_past() -> None:
+    """SGP's awaited share of round 0 does not come once its sender's share of round 1 does (it
+    kept the round-0 share for a busy link): the round ends at its arrival, not its wait limit."""
+    own, theirs = np.zeros(1000), np.full(1000, 4.0)
+    network = MemoryNetwork()
+    share = {"starts": [0], "weights": [0.5]}
+    ahead = [replace(p, kind="push", round=1, meta=share) for p in _pieces("b", theirs, Layout.of(own), 8000)]
+    peer = _PacedPeer(network.join("a"), ahead, 0.1)
+    network.join("b")
+    sgp = SGP(peer, own, topology=Topology("complete"), overlap=0, round_timeout=5.0)
+    stats = sgp.after_step()
+    assert stats.arrived == 0 and peer.now() == pytest.approx(0.1)
+    sgp.after_step()  # round 1: its share waited for it
+    np.testing.assert_allclose(own, 8 / 3)  # its weight halved twice: (0.25 * 0 + 0.5 * 4) / 0.75

@@ -10,13 +10,15 @@ round (``peer.members(round)``), so a node that left after round R is in the gra
 
 Stragglers: by default (``stragglers=tolerate``) a round does not wait for a neighbour whose values
 have arrived consistently later than the others' (its lag measured against this node's sends,
-``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within
-the age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead of
-it catches up (below, ``catch_up=2``). Any neighbour's late value is mixed so, not only a
-straggler's: where every neighbour is late (this node's downlink, or its neighbours, slower than
-its own steps) none is a straggler beside the others, and dropping their values, which come after
-each round's wait, left such a node mixing nothing at all. (While a round waits for a neighbour's
-value of the round, the rest of that neighbour's late one is not mixed: a round mixes one value per
+``gossip.algorithms.pace``): its value is mixed if it is in when the others are, or late, within the
+age its lag predicts, its weight divided by (1 + age); and a node whose neighbours run ahead of it
+catches up (below, ``catch_up=2``). Nor does it wait for a neighbour that has sent a later round's
+value and none of this round's (held back from its busy link: it will not come). Any neighbour's
+late value is mixed so, not only a straggler's: where every neighbour is late (this node's downlink,
+or its neighbours, slower than its own steps) none is a straggler beside the others, and dropping
+their values, which come after each round's wait, left such a node mixing nothing at all. (While a
+round waits for a neighbour's value of the round, the rest of that neighbour's late one is not
+mixed: a round mixes one value per
 neighbour, and the one that comes is the newer.) The mean is then no longer kept exactly,
 and on a loaded machine a neighbour slowed by the machine's own jitter is passed over too: with
 ``stragglers=wait`` a round waits for every neighbour, bounded by the round's wait limit, and the
@@ -216,12 +218,12 @@ class DPSGD(Averager):
         self._mixing = {}
         neighbours = set(row.receive_from)
         waited = self._waited(neighbours)
-        self._expected = waited - self._silent
+        self._expected = awaited = waited - self._silent
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
         early = self._early_pieces.pop(r, [])
         while early:
             self._take_piece(early.pop(0), r, row, mix)
-        waiting = {j for j in waited - self._silent if not mix.complete(j)}
+        waiting = {j for j in awaited if self._coming(j, r, mix)}
         started = self.peer.now()
         deadline = started + self.wait_limit()
         timed_out = False
@@ -240,7 +242,7 @@ class DPSGD(Averager):
                 timed_out = True
                 break
             if self._receive(remaining, self.kinds, take):
-                waiting = {j for j in waiting if not mix.complete(j)}
+                waiting = {j for j in waiting if self._coming(j, r, mix)}
             else:
                 waiting &= self.peer.members(r)  # a neighbour that left is not waited for
         self._expected = set()  # (the wait is over: a late value is welcome where none came)
@@ -254,8 +256,17 @@ class DPSGD(Averager):
                 self._take_piece(piece, r, row, mix)
         if timed_out:
             self._went_silent(waited - mix.senders)
+        for j in awaited - mix.senders:
+            self.pace.not_in(j, r)
         wait_s = self.peer.now() - started
         return RoundStats(r, len(neighbours), len(neighbours & mix.senders), wait_s, row.topology)
+
+    def _coming(self, sender: str, r: int, mix: RunningMix) -> bool:
+        """Whether the rest of ``sender``'s value of round ``r`` may still come: not while all
+        of it is in, nor once it has begun a later round's without any of this one's."""
+        if mix.complete(sender):
+            return False
+        return sender in mix.senders or not self.pace.moved_on(sender, r)
 
     def _take_piece(self, message: Envelope, r: int, row: MixingRow, mix: RunningMix) -> None:
         """Mix a neighbour's value (or piece) for round ``r`` in, keep one for a later round,
@@ -302,7 +313,8 @@ class DPSGD(Averager):
         neighbours = set(row.receive_from)
         waited = self._waited(neighbours)
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
-        waiting = waited - got.keys() - self._silent
+        awaited = waited - self._silent
+        waiting = {j for j in awaited - got.keys() if not self.pace.moved_on(j, r)}
         deadline = self.peer.now() + self.wait_limit()
         timed_out = False
         while waiting and len(waited & got.keys()) < enough:
@@ -315,11 +327,13 @@ class DPSGD(Averager):
                 waiting &= self.peer.members(r)  # a neighbour that left is not waited for
             else:
                 self._file(message, r, got)
-                waiting -= got.keys()
+                waiting = {j for j in waiting - got.keys() if not self.pace.moved_on(j, r)}
         while (message := self.peer.recv(0, self.kinds)) is not None:  # whatever else is here already
             self._file(message, r, got)
         if timed_out:
             self._went_silent(waited - got.keys())
+        for j in awaited - got.keys():
+            self.pace.not_in(j, r)
         values = {j: (got[j], 0) for j in neighbours if j in got}
         for j in neighbours - got.keys():
             if j in self._recent and self._fresh(self._recent[j][0], r):

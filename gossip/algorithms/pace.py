@@ -8,14 +8,24 @@ A neighbour is a straggler when its lag is above
 
     max(MIN_LAG_S, typical + LAG_FACTOR * max(typical, step))
 
-where ``typical`` is the lower median of the neighbours' lags and ``step`` the median time this node
+where ``typical`` is the lower median of the lags of every neighbour measured (this round's and
+other rounds': on a time-varying graph a round has one neighbour, and its lag is told slow or not
+against the others') and ``step`` the median time this node
 spends between two rounds (its local steps): waiting for it would cost the round more than one and a
 half of this node's steps beyond what the others cost, and more than ``MIN_LAG_S`` (a shorter wait
 is not worth a value left out, and is within a busy machine's jitter). A straggler is not waited
 for; its value is mixed when it is in (a backup worker), or late, within the age its lag predicts
 (:meth:`Pace.age_bound`). It is waited for again as soon as its lag comes down, which its values
 show whether or not they are waited for. At most the neighbours above the lower median are
-stragglers, so a round always waits for some.
+stragglers, so a static graph's round always waits for some.
+
+A neighbour that has sent a value of a later round than this one without one of this round (it
+held it back from its busy link, or skipped) will not send this round's: it is not waited for
+(:meth:`Pace.moved_on`), and that round counts as a lag without end (:meth:`Pace.not_in`).
+Behind a slow uplink a node runs ahead of its neighbours and holds most of its values back; those
+that come are ahead of its neighbours' rounds (a lag of 0). Waiting for the values it never sent
+cost each neighbour its whole wait limit every round, and, measured by the values that came, it
+was the one against which the neighbour's other neighbours looked late.
 
 The straggler itself sees its neighbours ahead of it: with ``catch_up=c`` it skips to the
 round after theirs once they are c or more rounds ahead (:meth:`Pace.skip_to`), instead of
@@ -33,6 +43,7 @@ is known). Where every value must arrive (waiting for every neighbour), nothing 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -108,14 +119,27 @@ class Pace:
         """The neighbours not to wait for this round (none unless tolerating)."""
         if not self.tolerate or not self._steps:
             return set()
-        lags = {j: lag for j in neighbours if (lag := self.lag(j)) is not None}
+        lags = {j: lag for j in self._lags if (lag := self.lag(j)) is not None}
         if len(lags) < 2:
             return set()
         typical = statistics.median_low(lags.values())
         limit = max(MIN_LAG_S, typical + LAG_FACTOR * max(typical, statistics.median(self._steps)))
-        slow = {j for j, lag in lags.items() if lag > limit}
+        slow = {j for j in neighbours if lags.get(j, 0.0) > limit}
         self.passed_over += len(slow)
         return slow
+
+    def moved_on(self, sender: str, r: int) -> bool:
+        """Whether ``sender`` has sent a value of a round after ``r`` (its values come in order:
+        one of round ``r`` that has not begun to arrive will not come)."""
+        return self.newest.get(sender, -1) > r
+
+    def not_in(self, sender: str, r: int) -> None:
+        """``sender``'s value of round ``r``, waited for, is not in when the round's wait ends:
+        if it has moved on without it, a lag without end. Its values come ahead of this node's
+        (a lag of 0) when they come; counted by those alone, a neighbour that sends one round
+        in twenty would be the measure against which every other neighbour looked late."""
+        if self.moved_on(sender, r):
+            self._lags.setdefault(sender, deque(maxlen=LAG_SAMPLES)).append(math.inf)
 
     def age_bound(self, sender: str, now: float) -> int:
         """The oldest (in rounds) a straggler's late value may be and still be mixed: twice the

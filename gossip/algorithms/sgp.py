@@ -13,22 +13,23 @@ while (its in-neighbours stopped or fell behind) halves w every round, and a flo
 x = w z loses its precision below 1e-38 and reaches 0/0 after about 150 such rounds; z mixed as a
 weighted mean stays exact at any w.
 
-``overlap`` is how many rounds a share may take to arrive: with 0 a node waits (bounded) for
-this round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends this round's
-shares and waits only for those of the previous round, which have had a whole local step to
-arrive, so communication hides behind computation. An in-neighbour that has fallen behind (its
-newest share is older than that) is not waited for: waiting cannot make it faster, and push-sum
-does not need shares to come in step. Nor, unless ``stragglers=wait``, is one whose shares
-arrive consistently later than the others' (``gossip.algorithms.pace``): waited for, a slow
-node never falls behind, and the whole mesh would run at its pace. Tolerating, a node also
-keeps the share of an out-neighbour whose link still carries an earlier push (``Pace.ready``)
-instead of queueing it there: push-sum stays exact with the share kept, where a queued push
-arrives ever staler behind a slow link and one dropped from a full queue takes its mass with it.
-So does one whose last push, to any out-neighbour, still leaves while the copy it went out
-from is held: a node holds one push copy, not one per push in flight. A share older than
-``max_staleness`` rounds is dropped and counted. The default bound is generous (256 rounds)
-because a dropped share takes its mass with it: push-sum is exact only while mass is conserved,
-and a node that keeps losing mass drives its weight towards zero.
+``overlap`` is how many rounds a share may take to arrive: with 0 a node waits (bounded) for this
+round's shares, with 1 (the default, the paper's 1-overlap SGP) it sends this round's shares and
+waits only for those of the previous round, which have had a whole local step to arrive, so
+communication hides behind computation. An in-neighbour that has fallen behind (its newest share is
+older than that) is not waited for: waiting cannot make it faster, and push-sum does not need shares
+to come in step. Nor, unless ``stragglers=wait``, is one whose shares arrive consistently later than
+the others' (``gossip.algorithms.pace``): waited for, a slow node never falls behind, and the whole
+mesh would run at its pace. Nor is one that has begun a later round's share without any of the
+awaited one (it kept that share: it will not come). Tolerating, a node also keeps the share of an
+out-neighbour whose link still carries an earlier push (``Pace.ready``) instead of queueing it
+there: push-sum stays exact with the share kept, where a queued push arrives ever staler behind a
+slow link and one dropped from a full queue takes its mass with it. So does one whose last push, to
+any out-neighbour, still leaves while the copy it went out from is held: a node holds one push copy,
+not one per push in flight. A share older than ``max_staleness`` rounds is dropped and counted. The
+default bound is generous (256 rounds) because a dropped share takes its mass with it: push-sum is
+exact only while mass is conserved, and a node that keeps losing mass drives its weight towards
+zero.
 
 Shares are mixed piece by piece as they arrive (``gossip.buffers.pieces``). A share from one of
 the next ``HOLD_ROUNDS`` rounds waits for its round, so nodes in step mix exactly as the graph
@@ -172,13 +173,23 @@ class SGP(Averager):
         def take(received: Envelope) -> None:
             self._mix_in(received, r, mix)
 
+        def coming(sender: str, q: int) -> bool:
+            """Whether the rest of ``sender``'s share of round ``q`` may still come: not once it
+            has begun a later round's share without any of this one (it held this one back)."""
+            if mix.complete((sender, q)) or sender not in self.peer.members(q):
+                return False
+            return (sender, q) in mix.senders or not self.pace.moved_on(sender, q)
+
         while True:
-            missing = {(s, q) for s, q in expected if not mix.complete((s, q)) and s in self.peer.members(q)}
+            missing = {(s, q) for s, q in expected if coming(s, q)}
             timeout = 0.0 if not missing else max(0.0, deadline - self.peer.now())
             if not self._receive(timeout, self.kinds, take) and (not missing or self.peer.now() >= deadline):
                 break
         for sender, _ in missing:
             self.peer.missed(sender)
+        for sender, q in expected:
+            if (sender, q) not in mix.senders:
+                self.pace.not_in(sender, q)
         self.segments = _merged(mix.weights, self.params.size)
         self._coverage.forget(lambda key: key[1] <= r - self.max_staleness)  # type: ignore[index]
         return sum(mix.complete(key) for key in expected)
