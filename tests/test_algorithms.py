@@ -338,6 +338,8 @@ def test_a_round_of_one_neighbour_tells_a_straggler_against_the_neighbours_of_ot
     paced_rounds(pace, range(8), {"a": 0.002, "b": 0.009, "slow": 0.14})
     assert pace.stragglers({"slow"}) == {"slow"}
     assert pace.stragglers({"a"}) == pace.stragglers({"b"}) == set()
+    pace.keep({"slow"})  # a and b left: no measure is left beside its own
+    assert pace.stragglers({"slow"}) == set()
 
 
 def test_a_neighbour_that_moves_on_without_its_values_is_no_measure_of_the_others_lag() -> None:

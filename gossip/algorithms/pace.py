@@ -8,16 +8,16 @@ A neighbour is a straggler when its lag is above
 
     max(MIN_LAG_S, typical + LAG_FACTOR * max(typical, step))
 
-where ``typical`` is the lower median of the lags of every neighbour measured (this round's and
-other rounds': on a time-varying graph a round has one neighbour, and its lag is told slow or not
-against the others') and ``step`` the median time this node
-spends between two rounds (its local steps): waiting for it would cost the round more than one and a
-half of this node's steps beyond what the others cost, and more than ``MIN_LAG_S`` (a shorter wait
-is not worth a value left out, and is within a busy machine's jitter). A straggler is not waited
-for; its value is mixed when it is in (a backup worker), or late, within the age its lag predicts
-(:meth:`Pace.age_bound`). It is waited for again as soon as its lag comes down, which its values
-show whether or not they are waited for. At most the neighbours above the lower median are
-stragglers, so a static graph's round always waits for some.
+where ``typical`` is the lower median of the lags of every member measured (this round's neighbours
+and other rounds': on a time-varying graph a round has one neighbour, and its lag is told slow or
+not against the others') and ``step`` the median time this node spends between two rounds (its local
+steps): waiting for it would cost the round more than one and a half of this node's steps beyond
+what the others cost, and more than ``MIN_LAG_S`` (a shorter wait is not worth a value left out, and
+is within a busy machine's jitter). A straggler is not waited for; its value is mixed when it is in
+(a backup worker), or late, within the age its lag predicts (:meth:`Pace.age_bound`). It is waited
+for again as soon as its lag comes down, which its values show whether or not they are waited for.
+At most the neighbours above the lower median are stragglers, so a static graph's round always waits
+for some.
 
 A neighbour that has sent a value of a later round than this one without one of this round (it
 held it back from its busy link, or skipped) will not send this round's: it is not waited for
@@ -128,6 +128,12 @@ class Pace:
         self.passed_over += len(slow)
         return slow
 
+    def keep(self, members: Collection[str]) -> None:
+        """Forget what was measured of nodes no longer ``members`` (a departed node's lag is no
+        measure of the others')."""
+        self.newest = {j: k for j, k in self.newest.items() if j in members}
+        self._lags = {j: lags for j, lags in self._lags.items() if j in members}
+
     def moved_on(self, sender: str, r: int) -> bool:
         """Whether ``sender`` has sent a value of a round after ``r`` (its values come in order:
         one of round ``r`` that has not begun to arrive will not come)."""
@@ -165,7 +171,7 @@ class Pace:
         median itself, whose values are here: a round after theirs would mix nothing. Never
         past ``limit`` (the round at which the node's step budget ends, where it is known)."""
         taking_part = members(r)
-        self.newest = {j: k for j, k in self.newest.items() if j in taking_part}
+        self.keep(taking_part)
         if not self.catch_up or not self.newest:
             return None
         ahead = statistics.median_low(self.newest.values())

@@ -155,7 +155,9 @@ class SGP(Averager):
         keeping up (whose newest share is from round r - 1 or later, and not measured to lag)."""
         if r < 0:
             return set()
-        row = mixing_row(self.topology, self.peer.members(r), self.peer.node_id, r, self.peer.not_listening())
+        members = self.peer.members(r)
+        row = mixing_row(self.topology, members, self.peer.node_id, r, self.peer.not_listening())
+        self.pace.keep(members)
         slow = self.pace.stragglers(row.receive_from)
         return {(j, r) for j in row.receive_from if self._newest.get(j, r - 1) >= r - 1 and j not in slow}
 
