@@ -98,7 +98,12 @@ def test_a_node_joining_mid_run_starts_from_the_mesh_state(tmp_path: Path) -> No
 
 
 def test_a_paused_node_is_suspected_not_killed_and_a_leave_is_seen_at_once(tmp_path: Path) -> None:
-    report = run(tmp_path, "--nodes", "6", "--steps", "500", "--pause", "3@4:2.0", "--leave", "5@9")
+    """Per-step rounds: the paused node's neighbours miss its values within their wait limit
+    (tenfold a round) and have it probed at once. The default's rounds of 10 local steps wait
+    longer than the pause, which the failure detector's own probes (one member a second, in
+    turn) then miss 8-17% of the time: 5 observers, each probing it once in 5 s."""
+    faults = ["--pause", "3@4:2.0", "--leave", "5@9"]
+    report = run(tmp_path, "--nodes", "6", "--steps", "500", *faults, "--algorithm", "dpsgd")
     nodes = nodes_by_id(report)
     assert events(report, "suspected", "node-3")  # a 2 s pause is noticed...
     assert events(report, "alive", "node-3")  # ...refuted when it resumes...
