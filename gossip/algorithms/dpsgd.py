@@ -262,11 +262,7 @@ class DPSGD(Averager):
         return RoundStats(r, len(neighbours), len(neighbours & mix.senders), wait_s, row.topology)
 
     def _coming(self, sender: str, r: int, mix: RunningMix) -> bool:
-        """Whether the rest of ``sender``'s value of round ``r`` may still come: not while all
-        of it is in, nor once it has begun a later round's without any of this one's."""
-        if mix.complete(sender):
-            return False
-        return sender in mix.senders or not self.pace.moved_on(sender, r)
+        return self.pace.coming(sender, r, complete=mix.complete(sender), begun=sender in mix.senders)
 
     def _take_piece(self, message: Envelope, r: int, row: MixingRow, mix: RunningMix) -> None:
         """Mix a neighbour's value (or piece) for round ``r`` in, keep one for a later round,

@@ -139,6 +139,11 @@ class Pace:
         one of round ``r`` that has not begun to arrive will not come)."""
         return self.newest.get(sender, -1) > r
 
+    def coming(self, sender: str, r: int, *, complete: bool, begun: bool) -> bool:
+        """Whether the rest of ``sender``'s value of round ``r`` may still come: not once it is
+        ``complete``, nor when none of it has ``begun`` to arrive and the sender moved on."""
+        return not complete and (begun or not self.moved_on(sender, r))
+
     def not_in(self, sender: str, r: int) -> None:
         """``sender``'s value of round ``r``, waited for, is not in when the round's wait ends:
         if it has moved on without it, a lag without end. Its values come ahead of this node's

@@ -176,11 +176,10 @@ class SGP(Averager):
             self._mix_in(received, r, mix)
 
         def coming(sender: str, q: int) -> bool:
-            """Whether the rest of ``sender``'s share of round ``q`` may still come: not once it
-            has begun a later round's share without any of this one (it held this one back)."""
-            if mix.complete((sender, q)) or sender not in self.peer.members(q):
+            if sender not in self.peer.members(q):
                 return False
-            return (sender, q) in mix.senders or not self.pace.moved_on(sender, q)
+            key = (sender, q)
+            return self.pace.coming(sender, q, complete=mix.complete(key), begun=key in mix.senders)
 
         while True:
             missing = {(s, q) for s, q in expected if coming(s, q)}
