@@ -18,11 +18,11 @@ late value is mixed so, not only a straggler's: where every neighbour is late (t
 or its neighbours, slower than its own steps) none is a straggler beside the others, and dropping
 their values, which come after each round's wait, left such a node mixing nothing at all. (While a
 round waits for a neighbour's value of the round, the rest of that neighbour's late one is not
-mixed: a round mixes one value per
-neighbour, and the one that comes is the newer.) The mean is then no longer kept exactly,
-and on a loaded machine a neighbour slowed by the machine's own jitter is passed over too: with
-``stragglers=wait`` a round waits for every neighbour, bounded by the round's wait limit, and the
-mean is exact whenever every value comes (a mesh then runs at its slowest node's pace).
+mixed: a round mixes one value per neighbour, and the one that comes is the newer.) The mean is then
+no longer kept exactly, and on a loaded machine a neighbour slowed by the machine's own jitter is
+passed over too: with ``stragglers=wait`` a round waits for every neighbour, bounded by the round's
+wait limit, and the mean is exact whenever every value comes (a mesh then runs at its slowest node's
+pace).
 With ``backup=k`` a round proceeds as soon as k of the neighbours it waits for are in (backup
 workers); with ``max_staleness=s`` a neighbour whose value for this round is missing is mixed in
 with its newest value from the last s rounds, its weight divided by (1 + age) and the rest left
