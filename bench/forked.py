@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,18 @@ def run_forked(count: int, target: Callable[..., None], args: Callable[[int], tu
     processes = [fork.Process(target=target, args=(*args(rank), pipes[rank][1])) for rank in range(count)]
     for process in processes:
         process.start()
-    results = [receiver.recv() for receiver, _ in pipes]
+    results: dict[int, Any] = {}
+    waiting = {receiver: rank for rank, (receiver, _) in enumerate(pipes)}
+    while waiting:
+        multiprocessing.connection.wait([*waiting, *(processes[rank].sentinel for rank in waiting.values())])
+        for receiver in [r for r in waiting if r.poll()]:
+            results[waiting.pop(receiver)] = receiver.recv()
+        # a worker that died without its result (a crash): its peers might wait for it for ever
+        if dead := [rank for r, rank in waiting.items() if not processes[rank].is_alive() and not r.poll()]:
+            for process in processes:
+                process.kill()
+            codes = {rank: processes[rank].exitcode for rank in dead}
+            raise SystemExit(f"worker(s) {dead} exited without a result (exit codes {codes})")
     for process in processes:
         process.join(timeout=JOIN_S)
-    return results
+    return [results[rank] for rank in range(count)]

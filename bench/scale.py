@@ -5,6 +5,11 @@ For each model size (a wide MLP of linear layers in ``--dtype``), ``--nodes`` pr
 
 - ``allreduce``: ``torch.distributed.all_reduce`` of the model's flat vector over gloo, the
   standard way (what DDP does with every gradient): seconds per call.
+- ``zmq-ring``: the D-PSGD ring round written with bare pyzmq, as a user would without
+  gossipmesh: the flat vector sent whole to both ring neighbours (PUSH, ``copy=False``, tracked),
+  theirs received (PULL, ``copy=False``), the three averaged with numpy in place once the sends
+  have left. It moves D-PSGD's bytes through the same transport with nothing else: what the
+  transport and the mix cost on their own.
 - a gossip arm (``dpsgd``: D-PSGD on a ring; ``sgp``, ``adpsgd``, ``choco-int8``): every process
   a real node (``gossipmesh.connect``, ZeroMQ, --insecure) and a ``GossipOptimizer`` around SGD
   with zero gradients: seconds per ``step()``, which for the synchronous algorithms is one round
@@ -31,13 +36,16 @@ import logging
 import multiprocessing
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import zmq
 from forked import run_forked
 
 import gossipmesh
@@ -97,6 +105,10 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
 
         def sent() -> int:  # a ring allreduce: reduce-scatter, then all-gather
             return 2 * (nodes - 1) * vector.numel() * itemsize // nodes
+    elif arm == "zmq-ring":
+        base = reset_peak()
+        vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        one_round, sent = _zmq_ring(vector, rank, nodes, ports)
     else:
         flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": str(nodes),
                  "id": f"node-{rank}", **({"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}),
@@ -125,12 +137,47 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
     barrier.wait()
     sent_per_round = (sent() - sent_before) / rounds if arm != "allreduce" else sent()
     added = rss("VmHWM:") - base
-    if arm != "allreduce":
+    if arm in GOSSIP_ARMS:
         optimizer.close()
         peer.leave(after_round=optimizer.round - 1)
         barrier.wait()  # nobody leaves while a neighbour still waits for its last round
         peer.close()
     out.send({"times": times, "added_bytes": added, "model_bytes": itemsize * size, "sent": sent_per_round})
+
+
+def _zmq_ring(
+    vector: np.ndarray, rank: int, nodes: int, ports: list[int]
+) -> tuple[Callable[[], None], Callable[[], int]]:
+    """One round and the bytes sent so far of the bare-pyzmq ring arm (see the module docstring)."""
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(f"tcp://127.0.0.1:{ports[rank]}")
+    outboxes = []
+    for neighbour in sorted({(rank - 1) % nodes, (rank + 1) % nodes} - {rank}):
+        outbox = context.socket(zmq.PUSH)
+        outbox.connect(f"tcp://127.0.0.1:{ports[neighbour]}")
+        outboxes.append(outbox)
+    early: dict[int, list[zmq.Frame]] = {}  # a faster neighbour's values of rounds to come
+    state = {"round": 0, "sent": 0}
+
+    def one_round() -> None:
+        number = state["round"]
+        tag = number.to_bytes(8, "little")
+        trackers = [outbox.send_multipart([tag, vector], copy=False, track=True) for outbox in outboxes]
+        state["sent"] += len(outboxes) * vector.nbytes
+        values = early.pop(number, [])
+        while len(values) < len(outboxes):
+            got_tag, payload = inbox.recv_multipart(copy=False)
+            got = int.from_bytes(got_tag.bytes, "little")
+            (values if got == number else early.setdefault(got, [])).append(payload)
+        for tracker in trackers:
+            tracker.wait()  # the vector is written below: ZeroMQ must have let go of it
+        for payload in values:
+            np.add(vector, np.frombuffer(payload.buffer, dtype=vector.dtype), out=vector)
+        np.divide(vector, len(values) + 1, out=vector)
+        state["round"] += 1
+
+    return one_round, lambda: state["sent"]
 
 
 def run_arm(
