@@ -222,7 +222,9 @@ def main() -> None:
     )
     parser.add_argument("--nodes", type=int, default=4, help="processes (default: 4)")
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per arm (default: 8)")
-    parser.add_argument("--arms", default="allreduce,dpsgd,sgp,adpsgd,choco-int8", help="arms, in order")
+    parser.add_argument(
+        "--arms", default="allreduce,zmq-ring,dpsgd,sgp,adpsgd,choco-int8", help="arms, in order"
+    )
     parser.add_argument(
         "--mix-in-place", action="store_true", help="gossip arms mix in the model's memory and dtype"
     )
