@@ -222,8 +222,8 @@ def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_
     the others'; a replay within a lane is refused, and so is a lane beyond 0..16."""
     with started_transport("rx", inbox_kinds={"note"}) as receiver:
         # the replay goes on the same connection: a second connection of the same routing id
-        # collides at the ROUTER while the first one's close is not yet seen there (a busy
-        # machine), and ZeroMQ refuses it, message and all
+        # would take the id over at the ROUTER (ROUTER_HANDOVER) while the first one's close is
+        # not yet seen there (a busy machine), and what the first still carried could be lost
         cases = [(b"x/t0", (5,)), (b"x/t1/3", (5, 5)), (b"x/t2/17", (6,)), (b"x/t3/ab", (7,))]
         sent = 0
         for routing_id, seqs in cases:

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 
 import msgpack
@@ -23,13 +24,14 @@ from helpers import (
     started_transport,
     wait_until,
 )
+from zmq.utils.monitor import recv_monitor_message
 
 from gossip import DPSGD
 from gossip.algorithms.averager import RoundStats
 from p2p import Peer, Transport, TransportError
 from p2p.address import AddressError, parse_endpoint
 from p2p.transport.send_cap import SendPacer
-from p2p.wire import encode
+from p2p.wire import MAX_CHUNK_BYTES, encode
 from topologies import Topology
 
 
@@ -172,6 +174,41 @@ def test_bad_messages_are_counted_per_reason_and_never_delivered() -> None:
         delivered = receiver.recv(1.0)
         assert delivered is not None and delivered.seq == 7 and delivered.round == 0
         assert receiver.recv(0.2) is None
+
+
+def test_a_sender_is_heard_again_over_the_connection_it_reopened_while_the_receiver_was_busy() -> None:
+    """A DEALER whose connection drops (here: a frame over the receiver's size limit) reconnects
+    under the same routing id. The new connection comes while the receiving thread is held, so
+    libzmq still holds the old one under that id: without ROUTER_HANDOVER it filed the new one
+    where nothing is read, and every message after the drop was lost."""
+    held, release = threading.Event(), threading.Event()
+    with (
+        started_transport("rx", inbox_kinds={"params"}) as receiver,
+        raw_dealer(b"x/t0", receiver.address) as raw,
+    ):
+        connects = raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        assert connects.poll(HANG_S * 1000) and recv_monitor_message(connects)
+        sent = time.monotonic()
+        raw.send_multipart(encode(kind="params", sender="x", round=0, seq=1))
+        first = receiver.recv(HANG_S)
+        # measured: the message after the reconnection takes what this one took, not 10 s more
+        patience = max(10.0, 20 * (time.monotonic() - sent))
+        assert first is not None and first.round == 0
+
+        def hold() -> None:  # (on the receiver's network thread)
+            held.set()
+            release.wait(HANG_S)
+
+        receiver.call_soon(hold)
+        assert held.wait(HANG_S)
+        raw.send(bytes(2 * MAX_CHUNK_BYTES))  # over the ROUTER's MAXMSGSIZE: it drops the connection
+        assert connects.poll(HANG_S * 1000) and recv_monitor_message(connects)  # reconnected
+        raw.send_multipart(encode(kind="params", sender="x", round=1, seq=2))
+        release.set()
+        again = receiver.recv(patience)
+        raw.disable_monitor()
+        connects.close(0)
+    assert again is not None and again.round == 1
 
 
 def test_port_in_use_is_a_clear_error() -> None:

@@ -116,8 +116,9 @@ class Connections:
         node_id: each DEALER's routing id is ``NODE_ID/TOKEN``, a random token per connection:
             a receiver reads the id a sender claims from it, and no connection, a new one of
             the same node after a partition or one of an impostor, ever collides with another
-            at the receiving ROUTER (which would refuse it, or with ROUTER_HANDOVER drop the
-            other).
+            at the receiving ROUTER; that ROUTER hands an id in use over to the connection
+            that claims it, which only the DEALER that held it does, reconnecting after its
+            connection dropped.
         curve: keys for CURVE, None without.
         send_queue: ZMQ_SNDHWM of each socket.
         linger_ms: ZMQ_LINGER of each socket (on idle or evicted close: 0).

@@ -462,6 +462,12 @@ class Transport:
         router.setsockopt(zmq.MAXMSGSIZE, largest + _HEADER_ALLOWANCE)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send along a route that is gone fails
+        # A DEALER whose connection dropped reconnects under its routing id; when this thread was
+        # busy meanwhile, libzmq still holds the old connection under that id, and without
+        # handover files the new one where nothing is read: all it carries is lost, and once its
+        # queue fills libzmq 4.3.5 can abort (zeromq/libzmq#4841). Ids are random per DEALER
+        # (``Connections``), so the one that takes an id over is the socket that held it.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # an inbound connection that goes silent (a crashed host, a partition) is closed
         router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
