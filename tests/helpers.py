@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import zmq
 
 from gossip import Algorithm, Codec, PeerNetwork
 from gossip.algorithms import averager as averager_module
+from gossip.algorithms import sgp as sgp_module
 from gossip.algorithms.averager import Averager, RoundStats
 from p2p import Peer, Transport
 from p2p.address import free_ports
@@ -120,11 +121,19 @@ def waiting(spec: Algorithm) -> Algorithm:
     return Algorithm(spec.name, tuple(sorted({**spec.options, "stragglers": "wait"}.items())))
 
 
-def full_waits() -> AbstractContextManager[object]:
-    """Averagers made inside wait up to their round timeout for every neighbour: their
-    shortening of the wait to a multiple of recent round times is off, so a thread descheduled
-    on a busy machine does not miss a round of a test that checks the math exactly."""
-    return mock.patch.object(averager_module, "MIN_WAIT_S", math.inf)
+@contextmanager
+def full_waits() -> Iterator[None]:
+    """Averagers made inside wait up to their round timeout for every neighbour (their
+    shortening of the wait to a multiple of recent round times is off), and SGP holds every
+    share of the rounds ahead for its round, however many models they add up to: a thread
+    descheduled on a busy machine neither misses a round of a test that checks the math
+    exactly, nor has the shares of the others, up to three rounds ahead of it meanwhile on the
+    one-peer exponential graph, mixed into its rounds as they come."""
+    with (
+        mock.patch.object(averager_module, "MIN_WAIT_S", math.inf),
+        mock.patch.object(sgp_module, "HOLD_MODELS", math.inf),
+    ):
+        yield
 
 
 def run_together(targets: Iterable[Callable[[], object]]) -> None:
