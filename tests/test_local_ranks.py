@@ -114,8 +114,9 @@ def test_shard_without_a_machine_says_what_to_give() -> None:
 
 STEPS = 30
 RUNS: dict[str, dict[str, Any]] = {  # GossipOptimizer's options for each algorithm on slices
-    # waits for every machine: its bias checks where mixing pulls them (the mean), which a
-    # machine passed over on a loaded one moves (0.745, 0.255 from the mean, beside two CPU hogs)
+    # waits for every machine: the bias checks are of where mixing pulls the machines (their
+    # mean), which a machine passed over as a straggler, as a loaded machine's scheduling can
+    # make one look, would move
     "dpsgd": {"algorithm": Algorithm.parse("dpsgd:stragglers=wait")},
     "auto": {"average_every": "auto"},
     "sgp": {"algorithm": Algorithm.parse("sgp")},
