@@ -33,6 +33,7 @@ from test_security import curve_for, curve_peers, make_keys
 import p2p.transport.connections
 import p2p.transport.inbound
 import p2p.transport.reassembly
+from gossip import Algorithm
 from gossip.algorithms.averager import RoundStats
 from gossipmesh.config import NodeConfig
 from gossipmesh.daemon.peers import make_peer
@@ -41,7 +42,7 @@ from p2p.address import parse_endpoint
 from p2p.membership.protocol import BEACON_CONTACTS_PER_S, PROFILES
 from p2p.security.curve import NodeKeys, keygen
 from p2p.transport.network_thread import INBOX_LARGEST_MESSAGES, INBOX_LARGEST_PER_SENDER
-from p2p.wire import Limits, encode, encode_chunks
+from p2p.wire import CHUNK_BYTES, Limits, encode, encode_chunks
 
 pytestmark = pytest.mark.mesh
 
@@ -310,6 +311,30 @@ def test_the_daemons_inbox_rejects_kinds_nobody_reads() -> None:
             assert wait_until(lambda: peer.stats.messages_rejected == 10)
         assert peer.stats.rejected == {"unknown_kind": 10}
     finally:
+        peer.close()
+
+
+@pytest.mark.parametrize(("algorithm", "pieces"), [("dpsgd", True), ("dpsgd:overlap=1", False)])
+def test_a_daemons_first_value_comes_piece_by_piece_before_its_algorithm_is_built(
+    algorithm: str, pieces: bool
+) -> None:
+    """A neighbour's first value may come before this node's algorithm is built: where the
+    algorithm mixes values as they arrive it comes as pieces, never assembled whole (a model's
+    bytes more, held until the first round); where it mixes whole values, whole."""
+    model = torch.nn.Linear(CHUNK_BYTES // 4, 2, bias=False)  # two chunks of float32
+    config = NodeConfig(insecure=True, listen="tcp://127.0.0.1:0", algorithm=Algorithm.parse(algorithm))
+    peer = make_peer(config, model, node_id="daemon")
+    peer.start()
+    neighbour = Peer("neighbour", "tcp://127.0.0.1:0", [peer.address])
+    try:
+        neighbour.start()
+        for node in (peer, neighbour):
+            node.wait_ready(HANG_S, expect=2)
+        neighbour.send("daemon", "params", 0, [np.zeros(model.weight.numel(), np.float32)])
+        first = peer.recv(HANG_S, {"params"})
+        assert first is not None and (first.piece is not None) == pieces
+    finally:
+        neighbour.close()
         peer.close()
 
 

@@ -20,10 +20,10 @@ import contextlib
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import numpy as np
 
@@ -153,7 +153,7 @@ class Averager:
         topology, layout, lock = common["topology"], common.get("layout"), common.get("lock")
         self.needs.check_graph(self.name, topology)
         self.peer = peer
-        peer.take_pieces((FINAL,))  # (mixed as they come by finish)
+        peer.take_pieces((FINAL,))  # (mixed as they come by finish; see piece_kinds)
         self.params = params
         self.vector_layout = Layout.of(params)  # the vector as it is (push-sum shares, replicas)
         self.layout = layout or self.vector_layout  # model values as the model holds them
@@ -219,6 +219,14 @@ class Averager:
             pass
         arrived = len(mix.senders & row.receive_from.keys())
         return RoundStats(self.round, len(row.receive_from), arrived, self.peer.now() - started, row.topology)
+
+    @classmethod
+    def piece_kinds(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The message kinds an averager built with ``options`` (its keyword arguments) takes
+        piece by piece as they arrive: declared to the network before it is built
+        (``PeerNetwork.take_pieces``), so that a neighbour's first value, which may come
+        first, is not assembled whole (a model's bytes more, held until the round mixes)."""
+        return (FINAL,)
 
     def restart(self, round: int) -> None:
         """Continue from ``round`` with the parameters as they are now (after taking another

@@ -62,7 +62,8 @@ arrived. The others hold each neighbour's value whole until the round mixes.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -123,9 +124,9 @@ class DPSGD(Averager):
             raise ValueError("dpsgd catch_up skips rounds, overlap mixes the one before: choose one")
         self.backup = backup
         self.overlap = overlap
-        self.streams = overlap == 0 and robust is None and max_staleness == 0
-        if self.streams:
-            peer.take_pieces(self.kinds)
+        options = {"overlap": overlap, "robust": robust, "max_staleness": max_staleness}
+        self.streams = PARAMS in self.piece_kinds(options)
+        peer.take_pieces(self.piece_kinds(options))
         self._early_pieces: defaultdict[int, list[Envelope]] = defaultdict(list)
         self.exact_every = exact_every
         self._sent: dict[int, np.ndarray] = {}  # own values of rounds whose mixing is to come
@@ -142,6 +143,12 @@ class DPSGD(Averager):
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
         self._expected: set[str] = set()  # the neighbours whose value of this round is waited for
         self._held_over: list[Envelope] = []  # pieces of the round before the one skipped to
+
+    @classmethod
+    def piece_kinds(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """Plain rounds (no overlap, no robust rule, no staleness) mix values as they arrive."""
+        plain = not (options.get("overlap") or options.get("max_staleness")) and options.get("robust") is None
+        return (*super().piece_kinds(options), *(cls.kinds if plain else ()))
 
     def after_step(self) -> RoundStats:
         return self.average()

@@ -199,6 +199,11 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         overlap = self.options.get("overlap")
         return self.family.mixes_late if overlap is None else overlap > 0
 
+    def piece_kinds(self, robust: RobustRule | None = None) -> tuple[str, ...]:
+        """The kinds its averager, built with ``robust``, takes piece by piece (see
+        ``Averager.piece_kinds``)."""
+        return self.family.averager.piece_kinds({**self._averager_options(), "robust": robust})
+
     def check(
         self,
         *,
@@ -261,9 +266,7 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         (see ``gossip.buffers.vector.Layout``)."""
         self.check(topology=topology, codec=codec, robust=robust)
         family = self.family
-        options: dict[str, Any] = {family.renamed.get(k, k): v for k, v in self.params}
-        if "interval_ms" in options:
-            options["interval_s"] = options.pop("interval_ms") / 1000
+        options = self._averager_options()
         if family.averager.needs.compression:
             options["codec"] = codec or Codec()
         if robust is not None:
@@ -277,6 +280,13 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
             layout=layout,
             **options,
         )
+
+    def _averager_options(self) -> dict[str, Any]:
+        """The parameters as the averager's keyword arguments."""
+        options: dict[str, Any] = {self.family.renamed.get(k, k): v for k, v in self.params}
+        if "interval_ms" in options:
+            options["interval_s"] = options.pop("interval_ms") / 1000
+        return options
 
 
 AUTO = "auto"  # an option the mesh chooses: the algorithm here, average_every in the optimizer

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -103,12 +104,17 @@ class SGP(Averager):
         self._push_copy = SendCopy(self.vector_layout)  # (shares: the vector as it is)
         self._pushed_to: list[str] = []  # the targets of the last push
         self.pace = pace_option(self.name, stragglers, catch_up=0, holds_back=True)
-        peer.take_pieces(self.kinds)
+        peer.take_pieces(self.piece_kinds({}))
 
     @property
     def weight(self) -> float:
         """The push-sum weight w (its smallest, where a share cut off left it uneven)."""
         return min(weight for _, weight in self.segments)
+
+    @classmethod
+    def piece_kinds(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """Shares are mixed as they arrive."""
+        return (*super().piece_kinds(options), *cls.kinds)
 
     def after_step(self) -> RoundStats:
         self._time_round()

@@ -48,8 +48,10 @@ def make_peer(
 ) -> Peer:
     """A peer (not started) with the config's addresses, discovery and CURVE keys (none with
     ``--insecure``, said loudly in the log), and messages limited to what this model needs;
-    ``ranks``: the data addresses of the machine's other local ranks."""
-    return Peer(
+    ``ranks``: the data addresses of the machine's other local ranks. The kinds the algorithm
+    mixes as they arrive are taken piece by piece from the start: a neighbour's first value may
+    come before this node's algorithm is built."""
+    peer = Peer(
         node_id,
         None if config.no_listen else config.listen,
         config.bootstrap,
@@ -66,6 +68,8 @@ def make_peer(
         ranks=ranks,
         streams=config.streams,
     )
+    peer.take_pieces(config.algorithm.piece_kinds(config.robust))
+    return peer
 
 
 def machine_peer(
