@@ -124,9 +124,9 @@ class DPSGD(Averager):
             raise ValueError("dpsgd catch_up skips rounds, overlap mixes the one before: choose one")
         self.backup = backup
         self.overlap = overlap
-        options = {"overlap": overlap, "robust": robust, "max_staleness": max_staleness}
-        self.streams = PARAMS in self.piece_kinds(options)
-        peer.take_pieces(self.piece_kinds(options))
+        kinds = self.piece_kinds({"overlap": overlap, "robust": robust, "max_staleness": max_staleness})
+        self.streams = PARAMS in kinds
+        peer.take_pieces(kinds)
         self._early_pieces: defaultdict[int, list[Envelope]] = defaultdict(list)
         self.exact_every = exact_every
         self._sent: dict[int, np.ndarray] = {}  # own values of rounds whose mixing is to come
