@@ -93,9 +93,12 @@ class Codec:
         (values,) = _expect(frames, [(np.float32, size)])
         _check_finite(values)
 
-    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
-        """y += the vector that ``frames`` (checked) encode."""
-        y += frames[0]
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
+        """y += ``scale`` x the vector that ``frames`` (checked) encode."""
+        for lo, hi in _spans(y.size):
+            y[lo:hi] += frames[0][lo:hi] if scale == 1.0 else frames[0][lo:hi] * np.float32(scale)
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         """The vector ``frames`` encode (checked first)."""
@@ -150,9 +153,11 @@ class Float16(Codec):
         (values,) = _expect(frames, [(np.float16, size)])
         _check_finite(values)
 
-    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
-        for lo, hi in _spans(y.size):
-            y[lo:hi] += frames[0][lo:hi]  # (every float16 widens to float32 exactly)
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
+        for lo, hi in _spans(y.size):  # (every float16 widens to float32 exactly)
+            y[lo:hi] += frames[0][lo:hi].astype(np.float32) * np.float32(scale)
 
 
 class BFloat16(Codec):
@@ -178,9 +183,12 @@ class BFloat16(Codec):
             if bool(((top[lo:hi] & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()):
                 raise CodecError("non_finite", "NaN or infinite values")
 
-    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
         for lo, hi in _spans(y.size):
-            y[lo:hi] += (frames[0][lo:hi].astype(np.uint32) << np.uint32(16)).view(np.float32)
+            widened = (frames[0][lo:hi].astype(np.uint32) << np.uint32(16)).view(np.float32)
+            y[lo:hi] += widened if scale == 1.0 else widened * np.float32(scale)
 
 
 class Int8(Codec):
@@ -213,11 +221,13 @@ class Int8(Codec):
         if size and int(q.min()) == -128:  # (at the largest scales it decodes to -inf)
             raise CodecError("codec_value", "an int8 value of -128: no encoder makes one")
 
-    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
         q, scales = frames
         for lo, hi in _spans(y.size):
             blocks = _padded(q[lo:hi]).reshape(-1, INT8_BLOCK)
-            blocks *= scales[lo // INT8_BLOCK : lo // INT8_BLOCK + blocks.shape[0], None]
+            blocks *= scales[lo // INT8_BLOCK : lo // INT8_BLOCK + blocks.shape[0], None] * np.float32(scale)
             y[lo:hi] += blocks.reshape(-1)[: hi - lo]
 
 
@@ -287,9 +297,11 @@ class Sparse(Codec):
     def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         self.entries(frames, meta, size)
 
-    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
         positions, values = self.entries(frames, meta, y.size)
-        y[positions] += values  # (positions are distinct)
+        y[positions] += values if scale == 1.0 else values * np.float32(scale)  # (positions are distinct)
 
     def entries(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> tuple[Array, Array]:
         """The positions and values ``frames`` carry (checked; raises :class:`CodecError`)."""
@@ -367,8 +379,10 @@ class AutoCodec(Codec):
     def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         self.for_message(meta).check(frames, meta, size)
 
-    def add_decoded(self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any]) -> None:
-        self.for_message(meta).add_decoded(y, frames, meta)
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
+        self.for_message(meta).add_decoded(y, frames, meta, scale)
 
 
 _AUTO_NAMES = ", ".join(codec.name for codec in AUTO_LADDER)

@@ -328,7 +328,8 @@ class LosesOneUpdate:
             self._peer.send(to, kind, round, tensors, meta)
 
 
-def test_a_lost_update_is_repaired_with_a_full_copy() -> None:
+@pytest.mark.parametrize("gamma", [None, 1.0])  # the neighbours' copies summed; one replica each
+def test_a_lost_update_is_repaired_with_a_full_copy(gamma: float | None) -> None:
     network = MemoryNetwork()
     peers: list[Any] = [
         network.join("node-0"),
@@ -337,14 +338,72 @@ def test_a_lost_update_is_repaired_with_a_full_copy() -> None:
     ]
     vectors = [vector(seed, 300) for seed in range(3)]
     choco = [
-        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"))
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"), gamma=gamma)
         for p, v in zip(peers, vectors, strict=True)
     ]
     run_together((lambda c=c: [c.after_step() for _ in range(20)]) for c in choco)
     for holder in (0, 1):
         held = choco[holder]._replicas["node-2"]
-        assert held.value is not None and np.array_equal(held.value, choco[2].public)
+        assert held.value is not None
+        if gamma is None:  # the sum of both neighbours' public copies, by their weights
+            weights = choco[holder]._weights
+            expected = sum(w * choco[int(j[-1])].public for j, w in weights.items())
+            np.testing.assert_allclose(held.value, expected, rtol=1e-5, atol=1e-6)
+        else:
+            assert np.array_equal(held.value, choco[2].public)
     assert choco[2].full_copies_sent == 1  # after the gap (at the start, replicas begin at 0)
+    # node-1's sum, that of both its neighbours, starts again from both their copies
+    assert [c.sum_restarts for c in choco] == ([0, 1, 0] if gamma is None else [0, 0, 0])
+    assert choco[0].full_copies_sent == (1 if gamma is None else 0)
+
+
+@pytest.mark.parametrize("gamma", [None, 1.0])
+def test_choco_holds_its_neighbours_copies_as_one_sum_where_every_pair_mixes_at_gamma_1(
+    gamma: float | None,
+) -> None:
+    """On a complete graph of 5 (4 neighbours each) a node at the default γ holds two vectors
+    of the model's size, x̂ and the sum of its neighbours' copies; with a γ set by hand, which
+    may differ between nodes, one replica per neighbour. Both keep the mean and reach it."""
+    network = MemoryNetwork()
+    peers = [network.join(f"node-{i}") for i in range(5)]
+    vectors = [vector(seed, 400) + 5 for seed in range(5)]
+    target = np.mean(vectors, axis=0)
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("complete"), codec=Codec.parse("int8"), gamma=gamma)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    run_together((lambda c=c: [c.after_step() for _ in range(40)]) for c in choco)
+    for node in choco:
+        held = {id(replica.value) for replica in node._replicas.values()}
+        assert len(node._replicas) == 4 and id(node.public) not in held
+        if gamma is None:
+            assert held == {id(node._sum)}
+        else:
+            assert len(held) == 4
+    np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-2)
+    assert consensus_distance(vectors) < 1e-4
+
+
+def test_choco_starts_its_sum_again_when_a_neighbour_leaves() -> None:
+    """A ring of 4 at the default γ; node-3 leaves after round 9. Its two neighbours cannot
+    take its copy out of their sums: they start them again from their new neighbours' copies
+    (node-1's row is unchanged, 1/3 each on a ring of 3 as of 4), and the three reach one model."""
+    network = MemoryNetwork()
+    peers = [network.join(f"node-{i}") for i in range(4)]
+    network.leave("node-3", after_round=9)
+    vectors = [vector(seed, 400) for seed in range(4)]
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"))
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    rounds = [40, 40, 40, 10]
+    run_together(
+        (lambda c=c, n=n: [c.after_step() for _ in range(n)]) for c, n in zip(choco, rounds, strict=True)
+    )
+    assert [c.sum_restarts for c in choco[:3]] == [1, 0, 1]
+    assert choco[0]._weights.keys() == {"node-1", "node-2"}
+    assert all(r.value is choco[0]._sum for r in choco[0]._replicas.values())
+    assert consensus_distance(vectors[:3]) < 1e-4 and np.isfinite(vectors[0]).all()
 
 
 def test_outer_nesterov_step_matches_its_definition() -> None:
