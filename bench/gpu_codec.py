@@ -164,18 +164,18 @@ def check_codecs(device: Device, x: np.ndarray) -> list[str]:
 
 def malformed(x: np.ndarray) -> list[tuple[str, list[np.ndarray], dict[str, Any], str]]:
     """(codec, frames, meta, the reason to refuse them): corrupted encodings of ``x``."""
-    q, scales = Codec.parse("int8").encode(x).frames
+    scales, q = Codec.parse("int8").encode(x).frames
     exact = "topk:0.2,values=float32"  # a bitmap and float32 values
     segments, bitmap = Codec.parse("topk:0.01").encode(x), Codec.parse(exact).encode(x)
-    counts, offsets, kept_q, kept_scales = segments.frames
+    counts, offsets, kept_scales, kept_q = segments.frames
     bits, kept = bitmap.frames
     sparse = segments.meta
     return [
         ("none", [x[:-1]], {}, "codec_shape"),
-        ("int8", [q, _with(scales, 0, np.inf)], {}, "non_finite"),
-        ("topk:0.01", [_with(counts, 0, counts[0] + 1), offsets, kept_q, kept_scales], sparse, "codec_index"),
-        ("topk:0.01", [counts, _with(offsets, 1, offsets[0]), kept_q, kept_scales], sparse, "codec_index"),
-        ("topk:0.01", [counts, offsets, kept_q, _with(kept_scales, 0, np.nan)], sparse, "non_finite"),
+        ("int8", [_with(scales, 0, np.inf), q], {}, "non_finite"),
+        ("topk:0.01", [_with(counts, 0, counts[0] + 1), offsets, kept_scales, kept_q], sparse, "codec_index"),
+        ("topk:0.01", [counts, _with(offsets, 1, offsets[0]), kept_scales, kept_q], sparse, "codec_index"),
+        ("topk:0.01", [counts, offsets, _with(kept_scales, 0, np.nan), kept_q], sparse, "non_finite"),
         (exact, [_with(bits, -1, bits[-1] | 1), kept], bitmap.meta, "codec_index"),  # a padding bit
         (exact, [bits, kept], {"sparse": "zip"}, "codec_format"),
     ]  # fmt: skip

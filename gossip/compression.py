@@ -34,6 +34,8 @@ positions wherever the vector lives.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from gossip.buffers.arrays import Array, array_module
+from gossip.buffers.arrays import Array, array_module, to_device
 from gossip.buffers.vector import CHUNK
 from topologies.spec import Params, choice, number, parse_spec, spellings
 
@@ -80,6 +82,8 @@ class Codec:
     name = "none"
     #: whether decode(encode(x)) == x bit for bit
     exact = True
+    #: whether a message carries every element (then it decodes as it arrives: :class:`StreamedDecode`)
+    dense = True
 
     def encode(self, x: Array, minus: Array | None = None) -> Encoded:
         """Q(x), or Q(x - minus)."""
@@ -99,6 +103,21 @@ class Codec:
         """y += ``scale`` x the vector that ``frames`` (checked) encode."""
         for lo, hi in _spans(y.size):
             y[lo:hi] += frames[0][lo:hi] if scale == 1.0 else frames[0][lo:hi] * np.float32(scale)
+
+    def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
+        """(dtype, elements) of each frame of a vector of ``size``, in order, for a dense codec:
+        every frame but the last is side information (int8's scales), the last the values."""
+        return [(np.dtype(np.float32), size)]
+
+    def check_side(self, side: Sequence[Array]) -> None:
+        """Raise :class:`CodecError` unless the frames before the values are ones it makes."""
+
+    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+        """Elements ``first...`` of the vector as float32, from their ``values`` (a part of the
+        last frame) and the checked ``side`` frames; raises :class:`CodecError` for values no
+        encoder makes."""
+        _check_finite(values)
+        return values
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         """The vector ``frames`` encode (checked first)."""
@@ -159,6 +178,13 @@ class Float16(Codec):
         for lo, hi in _spans(y.size):  # (every float16 widens to float32 exactly)
             y[lo:hi] += frames[0][lo:hi].astype(np.float32) * np.float32(scale)
 
+    def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
+        return [(np.dtype(np.float16), size)]
+
+    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+        _check_finite(values)
+        return values.astype(np.float32)
+
 
 class BFloat16(Codec):
     """bfloat16 as the top 16 bits of float32, rounded to nearest even (numpy has no bf16)."""
@@ -179,16 +205,22 @@ class BFloat16(Codec):
 
     def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         (top,) = _expect(frames, [(np.uint16, size)])
-        for lo, hi in _spans(size):  # all exponent bits set: inf or NaN
-            if bool(((top[lo:hi] & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()):
-                raise CodecError("non_finite", "NaN or infinite values")
+        for lo, hi in _spans(size):
+            _check_bf16_finite(top[lo:hi])
 
     def add_decoded(
         self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
     ) -> None:
         for lo, hi in _spans(y.size):
-            widened = (frames[0][lo:hi].astype(np.uint32) << np.uint32(16)).view(np.float32)
+            widened = _widen_bf16(frames[0][lo:hi])
             y[lo:hi] += widened if scale == 1.0 else widened * np.float32(scale)
+
+    def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
+        return [(np.dtype(np.uint16), size)]
+
+    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+        _check_bf16_finite(values)
+        return _widen_bf16(values)
 
 
 class Int8(Codec):
@@ -209,26 +241,39 @@ class Int8(Codec):
             blocks /= xp.where(block_scales > 0, block_scales, 1.0).astype(np.float32)[:, None]
             q[lo:hi] = xp.rint(blocks).reshape(-1)[: hi - lo]
             scales[lo // INT8_BLOCK : lo // INT8_BLOCK + block_scales.size] = block_scales
-        return Encoded([q, scales])
+        return Encoded([scales, q])  # (the scales first: a receiver decodes q as it arrives)
 
     def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
-        q, scales = _expect(frames, [(np.int8, size), (np.float32, _block_count(size))])
+        scales, q = _expect(frames, self.stream_frames(size))
+        self.check_side([scales])
+        _check_int8_values(q)
+
+    def add_decoded(
+        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
+    ) -> None:
+        scales, q = frames
+        for lo, hi in _spans(y.size):
+            blocks = _padded(q[lo:hi]).reshape(-1, INT8_BLOCK)
+            blocks *= scales[lo // INT8_BLOCK : lo // INT8_BLOCK + blocks.shape[0], None] * np.float32(scale)
+            y[lo:hi] += blocks.reshape(-1)[: hi - lo]
+
+    def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
+        return [(np.dtype(np.float32), _block_count(size)), (np.dtype(np.int8), size)]
+
+    def check_side(self, side: Sequence[Array]) -> None:
+        (scales,) = side
         _check_finite(scales)
         if not bool((array_module(scales).abs(scales) <= _INT8_MAX_SCALE).all()):
             raise CodecError(
                 "codec_scale", f"an int8 scale above {_INT8_MAX_SCALE:.3g}: no encoder makes one"
             )
-        if size and int(q.min()) == -128:  # (at the largest scales it decodes to -inf)
-            raise CodecError("codec_value", "an int8 value of -128: no encoder makes one")
 
-    def add_decoded(
-        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
-    ) -> None:
-        q, scales = frames
-        for lo, hi in _spans(y.size):
-            blocks = _padded(q[lo:hi]).reshape(-1, INT8_BLOCK)
-            blocks *= scales[lo // INT8_BLOCK : lo // INT8_BLOCK + blocks.shape[0], None] * np.float32(scale)
-            y[lo:hi] += blocks.reshape(-1)[: hi - lo]
+    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+        _check_int8_values(values)
+        (scales,) = side
+        head = first % INT8_BLOCK  # (the range may begin and end inside a block)
+        covering = scales[first // INT8_BLOCK : (first + values.size - 1) // INT8_BLOCK + 1]
+        return values * array_module(values).repeat(covering, INT8_BLOCK)[head : head + values.size]
 
 
 class Sparse(Codec):
@@ -239,6 +284,7 @@ class Sparse(Codec):
     DEFAULTS: ClassVar[dict[str, Any]] = {"values": "int8", "dense_every": 20}
 
     exact = False
+    dense = False
 
     def __init__(
         self,
@@ -401,7 +447,7 @@ _CHOICES = {**dict.fromkeys([*_SIMPLE, AutoCodec.name], Params()), "topk": _FRAC
 CODECS = tuple(spellings(_CHOICES))
 
 
-def _expect(frames: Sequence[Array], shapes: list[tuple[type, int]]) -> list[Array]:
+def _expect(frames: Sequence[Array], shapes: Sequence[tuple[type | np.dtype, int]]) -> list[Array]:
     """Check the frames' count, dtypes and lengths (1-D) against what the codec sends."""
     if len(frames) != len(shapes):
         raise CodecError("codec_frames", f"{len(frames)} frames, expected {len(shapes)}")
@@ -412,6 +458,20 @@ def _expect(frames: Sequence[Array], shapes: list[tuple[type, int]]) -> list[Arr
                 f"a frame is {frame.dtype}{list(frame.shape)}, expected {np.dtype(dtype)}[{length}]",
             )
     return list(frames)
+
+
+def _check_int8_values(q: Array) -> None:
+    if q.size and int(q.min()) == -128:  # (at the largest scales it decodes to -inf)
+        raise CodecError("codec_value", "an int8 value of -128: no encoder makes one")
+
+
+def _check_bf16_finite(top: Array) -> None:
+    if bool(((top & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()):  # all exponent bits: inf, NaN
+        raise CodecError("non_finite", "NaN or infinite values")
+
+
+def _widen_bf16(top: Array) -> Array:
+    return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _check_finite(values: Array) -> None:
@@ -456,3 +516,65 @@ def _segment_count(size: int) -> int:
 
 def _bitmap_bytes(size: int) -> int:
     return -(-size // 8)
+
+
+class StreamedDecode:
+    """Adds ``scale`` x the vector a dense codec's message encodes into ``y`` as the message's
+    payload arrives, in order, as bytes (:meth:`feed`, the pieces of ``PeerNetwork.take_pieces``):
+    the frames before the values (int8's scales, 1/64 of its bytes) are kept until whole and
+    checked, the values are checked and decoded CHUNK elements at a time and added where they
+    belong. Nothing the size of the vector is held. Raises :class:`CodecError` for frames that
+    are not the codec's (``codec_frames``), bytes out of order or across an element
+    (``piece_order``), values no encoder makes, and a sum that overflowed (``non_finite``); the
+    ranges fed before it stay added."""
+
+    def __init__(self, codec: Codec, specs: Sequence[tuple[Any, Any, int]], y: Array, scale: float) -> None:
+        self._codec = codec
+        self._frames = codec.stream_frames(y.size)
+        got = [(np.dtype(dtype), math.prod(shape)) for dtype, shape, _ in specs]
+        if got != self._frames:
+            raise CodecError("codec_frames", f"frames {got}, expected {self._frames} for {codec}")
+        self._ends = list(itertools.accumulate(n * dtype.itemsize for dtype, n in self._frames))
+        self._side_host = [np.empty(n, dtype) for dtype, n in self._frames[:-1]]
+        self._side: list[Array] = []
+        self._y = y
+        self._scale = np.float32(scale)
+        self.received = 0  # payload bytes fed so far
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self._ends[-1]
+
+    def feed(self, data: np.ndarray, offset: int) -> None:
+        """Payload bytes ``offset...`` (uint8), the next ones after those fed."""
+        if offset != self.received or data.dtype != np.uint8 or offset + data.size > self._ends[-1]:
+            raise CodecError("piece_order", f"bytes {offset}+{data.size}, expected from {self.received}")
+        end = offset + data.size
+        while self.received < end:
+            frame = bisect.bisect_right(self._ends, self.received)
+            dtype = self._frames[frame][0]
+            start = self._ends[frame - 1] if frame else 0
+            stop = min(end, self._ends[frame])
+            if (self.received - start) % dtype.itemsize or (stop - start) % dtype.itemsize:
+                raise CodecError("piece_order", "a piece ends inside an element")
+            values = data[self.received - offset : stop - offset].view(dtype)
+            first = (self.received - start) // dtype.itemsize
+            if frame < len(self._side_host):
+                self._side_host[frame][first : first + values.size] = values
+                if stop == self._ends[frame] and frame == len(self._side_host) - 1:
+                    self._side = to_device(self._side_host, self._y)
+                    self._codec.check_side(self._side)
+            else:
+                self._add(values, first)
+            self.received = stop
+
+    def _add(self, values: np.ndarray, first: int) -> None:
+        xp = array_module(self._y)
+        for lo in range(0, values.size, CHUNK):
+            (part,) = to_device([values[lo : lo + CHUNK]], self._y)
+            at = first + lo
+            target = self._y[at : at + part.size]
+            with np.errstate(over="ignore"):  # an overflow is what the check below catches
+                target += self._codec.decode_range(part, at, self._side) * self._scale
+            if not bool(xp.isfinite(target).all()):
+                raise CodecError("non_finite", "the sum overflowed")

@@ -27,10 +27,11 @@ from gossip import (
 )
 from gossip.algorithms.choco import StepSize
 from gossip.buffers.vector import CHUNK
-from gossip.compression import INT8_BLOCK, SEGMENT
+from gossip.compression import INT8_BLOCK, SEGMENT, Int8, StreamedDecode
 from gossip.optim.outer import OuterNesterov
 from gossipmesh.sim.memory import MemoryNetwork, MemoryPeer
 from node import main
+from p2p.wire import Message, Piece
 from topologies import SpecError, Topology
 
 N = 10_000
@@ -150,12 +151,61 @@ def test_a_difference_encodes_and_adds_chunk_by_chunk_as_it_decodes_whole(spec: 
     assert np.array_equal(y, minus + decoded)
 
 
+def _payload(frames: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[np.dtype, tuple[int, ...], int]]]:
+    """A message's payload bytes and its frames' specs, as the transport hands on pieces."""
+    specs = [(f.dtype, f.shape, f.nbytes) for f in frames]
+    return np.concatenate([f.reshape(-1).view(np.uint8) for f in frames]), specs
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8"])
+def test_a_dense_message_decodes_into_a_sum_as_its_pieces_arrive(spec: str) -> None:
+    """Pieces of 4 KiB down to 4 bytes, across the scales' frame into the values' and ending
+    inside int8 blocks: the sum is bit for bit what adding the decoded message gives."""
+    size = 2 * CHUNK + 1000
+    codec = Codec.parse(spec)
+    encoded = codec.encode(vector(1, size))
+    payload, specs = _payload(encoded.frames)
+    y, expected = vector(2, size), vector(2, size)
+    codec.add_decoded(expected, encoded.frames, encoded.meta, scale=0.5)
+    stream = StreamedDecode(codec, specs, y, 0.5)
+    cuts = [0, 4, 1 << 12, *range(1 << 13, payload.size, 1 << 22), payload.size]
+    for lo, hi in itertools.pairwise(cuts):
+        assert not stream.complete
+        stream.feed(payload[lo:hi], lo)
+    assert stream.complete and np.array_equal(y, expected)
+
+
+def test_a_streamed_message_is_refused_at_its_first_bad_piece() -> None:
+    """Out of order, a value no encoder makes, a scale that is not finite: each refused with
+    its reason, what came before it added."""
+    size = 3000
+    scales, q = Codec.parse("int8").encode(vector(1, size)).frames
+    payload, specs = _payload([scales, q])
+    y = np.zeros(size, np.float32)
+    with pytest.raises(CodecError, match="piece_order"):
+        StreamedDecode(Int8(), specs, y, 1.0).feed(payload[8:], 8)
+    bad = payload.copy()
+    bad[scales.nbytes + 2000] = np.uint8(128)  # q[2000] = -128
+    stream = StreamedDecode(Int8(), specs, y, 1.0)
+    stream.feed(bad[: scales.nbytes + 1024], 0)
+    with pytest.raises(CodecError) as error:
+        stream.feed(bad[scales.nbytes + 1024 :], scales.nbytes + 1024)
+    assert error.value.reason == "codec_value" and np.count_nonzero(y[1024:]) == 0 < np.count_nonzero(y)
+    nan = payload.copy()
+    nan[:4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    with pytest.raises(CodecError, match="NaN"):
+        StreamedDecode(Int8(), specs, y, 1.0).feed(nan, 0)
+    with pytest.raises(CodecError) as error:
+        StreamedDecode(Int8(), specs[1:], y, 1.0)
+    assert error.value.reason == "codec_frames"
+
+
 def test_int8_refuses_a_value_no_encoder_makes() -> None:
     """-128 at the largest scale would decode to -inf: checking refuses it without decoding."""
-    q, scales = Codec.parse("int8").encode(vector()).frames
+    scales, q = Codec.parse("int8").encode(vector()).frames
     q[5] = -128
     with pytest.raises(CodecError) as error:
-        Codec.parse("int8").check([q, scales], {}, N)
+        Codec.parse("int8").check([scales, q], {}, N)
     assert error.value.reason == "codec_value"
 
 
@@ -191,7 +241,7 @@ def _segments(counts: list[int], offsets: list[int], values: list[float]) -> lis
         ("none", [np.zeros(9, np.float32)], {}, "codec_shape"),
         ("none", [np.zeros(10, np.float64)], {}, "codec_shape"),
         ("int8", [np.zeros(10, np.int8)], {}, "codec_frames"),
-        ("int8", [np.zeros(10, np.int8), np.array([np.inf], np.float32)], {}, "non_finite"),
+        ("int8", [np.array([np.inf], np.float32), np.zeros(10, np.int8)], {}, "non_finite"),
         (EXACT, _segments([2], [1, 12], [1.0, 2.0]), SEGMENTS, "codec_index"),
         (EXACT, _segments([2], [3, 3], [1.0, 2.0]), SEGMENTS, "codec_index"),
         (EXACT, _segments([3], [1, 2], [1.0, 2.0]), SEGMENTS, "codec_index"),
@@ -355,6 +405,102 @@ def test_a_lost_update_is_repaired_with_a_full_copy(gamma: float | None) -> None
     # node-1's sum, that of both its neighbours, starts again from both their copies
     assert [c.sum_restarts for c in choco] == ([0, 1, 0] if gamma is None else [0, 0, 0])
     assert choco[0].full_copies_sent == (1 if gamma is None else 0)
+
+
+class StreamsUpdates:
+    """A node's endpoint whose CHOCO updates reach their receivers as the transport hands on a
+    large message: pieces of ``size`` payload bytes (int8's scales and values cut across)."""
+
+    def __init__(self, peer: MemoryPeer, size: int = 1000, corrupt: tuple[str, int] | None = None) -> None:
+        self._peer, self._size = peer, size
+        self._corrupt = corrupt  # (receiver, round): an int8 value of that update set to -128
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def send(self, to: str, kind: str, round: int, tensors: Any = (), meta: Any = None) -> None:
+        if kind != "choco":
+            self._peer.send(to, kind, round, tensors, meta)
+            return
+        payload, specs = _payload([np.asarray(t) for t in tensors])
+        if self._corrupt == (to, round):
+            payload[-10] = np.uint8(128)  # (in the last piece: the first ones are in the sum already)
+        for lo in range(0, payload.size, self._size):
+            piece = Piece(lo, tuple(specs))
+            chunk = (payload[lo : lo + self._size].copy(),)
+            self._peer.network.deliver(to, Message(kind, self.node_id, round, chunk, meta or {}, piece=piece))
+
+
+@pytest.mark.parametrize("stragglers", ["wait", "tolerate"])
+def test_choco_adds_updates_to_its_sum_as_their_pieces_arrive(stragglers: str) -> None:
+    """A ring of 4 whose updates come piece by piece (three pieces of 1 KB each): the same
+    models as whole updates give, waiting for every neighbour (the int8 values scaled by a
+    pair's weight round differently), and the mean kept and reached either way; no update is
+    held whole."""
+    results = []
+    for streamed in (False, True):
+        network = MemoryNetwork()
+        peers: list[Any] = [network.join(f"node-{i}") for i in range(4)]
+        if streamed:
+            peers = [StreamsUpdates(p) for p in peers]
+        vectors = [vector(seed, 2500) for seed in range(4)]
+        target = np.mean(vectors, axis=0)
+        choco = [
+            CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"), stragglers=stragglers)
+            for p, v in zip(peers, vectors, strict=True)
+        ]
+        run_together((lambda c=c: [c.after_step() for _ in range(30)]) for c in choco)
+        np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-2)
+        assert consensus_distance(vectors) < 1e-4
+        assert all(not r.pending for c in choco for r in c._replicas.values())
+        assert [(c.sum_restarts, dict(c.rejected)) for c in choco] == [(0, {})] * 4
+        results.append(vectors)
+    if stragglers == "wait":
+        for whole, pieces in zip(*results, strict=True):
+            np.testing.assert_allclose(pieces, whole, rtol=0, atol=1e-4)
+
+
+def test_a_bad_piece_refuses_its_update_and_the_sum_starts_again() -> None:
+    """node-2's round-5 update to node-1 ends with an int8 value no encoder makes: node-1
+    refuses it there, its sum (which holds that update's first pieces) starts again from full
+    copies, and the mesh goes on to one model."""
+    network = MemoryNetwork()
+    peers: list[Any] = [
+        StreamsUpdates(network.join("node-0")),
+        StreamsUpdates(network.join("node-1")),
+        StreamsUpdates(network.join("node-2"), corrupt=("node-1", 5)),
+    ]
+    vectors = [vector(seed, 2500) for seed in range(3)]
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"))
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    run_together((lambda c=c: [c.after_step() for _ in range(20)]) for c in choco)
+    assert [(c.sum_restarts, dict(c.rejected)) for c in choco] == [(0, {}), (1, {"codec_value": 1}), (0, {})]
+    assert consensus_distance(vectors) < 1e-4 and all(np.isfinite(v).all() for v in vectors)
+
+
+def test_a_lost_streamed_update_is_repaired_with_full_copies() -> None:
+    """As with whole updates: node-2's round-5 update to node-1 is lost; node-1's sum starts
+    again from its neighbours' full copies, the updates that come meanwhile put together whole
+    and added after them."""
+    network = MemoryNetwork()
+    peers: list[Any] = [
+        StreamsUpdates(network.join("node-0")),
+        StreamsUpdates(network.join("node-1")),
+        LosesOneUpdate(StreamsUpdates(network.join("node-2"))),
+    ]
+    vectors = [vector(seed, 2500) for seed in range(3)]
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"))
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    run_together((lambda c=c: [c.after_step() for _ in range(20)]) for c in choco)
+    assert [c.sum_restarts for c in choco] == [0, 1, 0]
+    held = choco[1]._sum
+    expected = sum(w * choco[int(j[-1])].public for j, w in choco[1]._weights.items())
+    np.testing.assert_allclose(held, expected, rtol=1e-5, atol=1e-5)
+    assert consensus_distance(vectors) < 1e-4
 
 
 @pytest.mark.parametrize("gamma", [None, 1.0])

@@ -44,7 +44,7 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 def _int8_frames(q: int, scale: float) -> list[np.ndarray]:
     blocks = -(-SIZE // INT8_BLOCK)
-    return [np.full(SIZE, q, np.int8), np.full(blocks, scale, np.float32)]
+    return [np.full(blocks, scale, np.float32), np.full(SIZE, q, np.int8)]
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,7 @@ in pinned memory, ``gossip.buffers.arrays.to_host``) and back (``to_device``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundSt
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
 from gossip.buffers.vector import add_scaled, all_finite, squared_distance
-from gossip.compression import Codec, CodecError, Encoded, Sparse
+from gossip.compression import Codec, CodecError, Encoded, Sparse, StreamedDecode
 from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow
@@ -154,6 +155,35 @@ class _Update:
 
 
 @dataclass
+class _Streaming:
+    """A neighbour's q of ``round`` being added into the sum as its pieces arrive."""
+
+    round: int
+    decode: StreamedDecode
+    gamma: float
+
+
+@dataclass
+class _Assembly:
+    """A neighbour's q of ``round`` whose pieces are put together whole, to be kept as it came
+    (for a replica that waits for its full copy, or after a gap)."""
+
+    round: int
+    gamma: float
+    specs: Sequence[tuple[Any, Any, int]]
+    payload: np.ndarray  # uint8
+    received: int = 0
+
+    def frames(self) -> list[np.ndarray]:
+        ends = itertools.accumulate(nbytes for _, _, nbytes in self.specs)
+        starts = [0, *itertools.accumulate(nbytes for _, _, nbytes in self.specs)]
+        return [
+            self.payload[lo:hi].view(dtype).reshape(shape)
+            for (dtype, shape, _), lo, hi in zip(self.specs, starts, ends, strict=False)
+        ]
+
+
+@dataclass
 class _Replica:
     """A neighbour's public copy as this node holds it, at the version of one round: in an array
     of its own, or weighed into the sum of the neighbours' copies (:class:`CHOCO`)."""
@@ -226,13 +256,28 @@ class CHOCO(Averager):
         self._replicas: dict[str, _Replica] = {}
         # Σ_j w_ij x̂_j where every pair mixes at γ = 1 (a dense codec, γ left to its default):
         # one vector whatever the degree, instead of a replica per neighbour
-        summed = gamma is None and not isinstance(codec, Sparse)
+        summed = gamma is None and codec.dense
         self._sum = array_module(params).zeros_like(params) if summed else None
         self._weights: Mapping[str, float] = {}  # the row the sum is weighed by
         self.sum_restarts = 0
+        # q's taken piece by piece (the sum's): each neighbour's being added, or put together
+        # whole, and pieces that wait for their turn (a window of each stream: credit bounds it)
+        peer.take_pieces(self.piece_kinds({"codec": codec, "gamma": gamma}))
+        self._streaming: dict[str, _Streaming] = {}
+        self._assembling: dict[str, _Assembly] = {}
+        self._held: list[tuple[Envelope, float]] = []
+        self._held_keys: set[tuple[str, int]] = set()
+        self._releasing = False
         self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
         self.pace = pace_option(self.name, stragglers, catch_up)
+
+    @classmethod
+    def piece_kinds(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The q's of a dense codec at the default γ are added to the sum as they arrive."""
+        codec = options.get("codec")
+        summed = codec is not None and codec.dense and options.get("gamma") is None
+        return (*super().piece_kinds(options), *((CHOCO_UPDATE,) if summed else ()))
 
     def after_step(self) -> RoundStats:
         self._time_round()
@@ -293,8 +338,9 @@ class CHOCO(Averager):
         self.public[...] = self.params if round > 0 else 0  # (0 before round 0, as at the start)
         self._published = round - 1
         self._replicas.clear()
+        self._assembling.clear()
         if self._sum is not None:
-            self._sum[...] = 0
+            self._restart_sum(counted=False)
 
     def report(self) -> dict[str, float]:
         figures = {
@@ -314,6 +360,8 @@ class CHOCO(Averager):
             self._weigh_sum(row.receive_from)
         for gone in self._replicas.keys() - members:  # (one that left after round r still mixes in it)
             del self._replicas[gone]
+            self._assembling.pop(gone, None)
+        self._release_held()
         for j in row.receive_from:  # (a replica with no start asks once j's q's show it: _take)
             self._catch_up(j, self._replicas.setdefault(j, _Replica()), r)
         expected = set(row.receive_from) - self._silent - self.pace.stragglers(row.receive_from)
@@ -350,6 +398,11 @@ class CHOCO(Averager):
                 self._catch_up(sender, replica, self.round)
                 self._accepted(message)
             return
+        if message.piece is not None:
+            if message.piece.offset == 0:
+                self._arrived(message)
+            self._route_piece(message, gamma)
+            return
         try:
             codec = self.codec.for_message(message.meta)
             frames = to_device(message.tensors, self.params)
@@ -357,16 +410,25 @@ class CHOCO(Averager):
         except CodecError as exc:
             self.rejected[exc.reason] += 1
             return
-        self._heard_from(sender)
-        self.pace.arrived(sender, message.round, self.peer.now())
+        self._arrived(message)
+        self._keep(message, _Update(codec, frames, message.meta, gamma))
+
+    def _arrived(self, message: Envelope) -> None:
+        """A neighbour's q began to arrive."""
+        self._heard_from(message.sender)
+        self.pace.arrived(message.sender, message.round, self.peer.now())
         self.staleness.add(max(0, self.round - message.round))  # late q's still count in full
+
+    def _keep(self, message: Envelope, update: _Update) -> None:
+        """Keep a neighbour's checked q, whole, until its replica takes it in."""
+        sender = message.sender
         replica = self._replicas.setdefault(sender, _Replica())
         if message.round < replica.next_round:
             return  # already in the full copy this replica started from
         if message.round > self.round + MAX_PENDING:
             self.dropped["choco_ahead"] += 1  # it would wait for rounds this node is far from
             return
-        replica.pending[message.round] = _Update(codec, frames, message.meta, gamma)
+        replica.pending[message.round] = update
         self._accepted(message)
         self._catch_up(sender, replica, self.round)
         if replica.value is None or replica.has_gap:
@@ -382,6 +444,115 @@ class CHOCO(Averager):
             self.rejected["non_finite"] += 1
             if self._sum is not None:  # (a q of which neighbour made it so, the sum cannot tell)
                 self._restart_sum()
+
+    # -- q's piece by piece --------------------------------------------------------------------
+
+    def _route_piece(self, message: Envelope, gamma: float) -> None:
+        """A piece of a neighbour's q: added to the sum as it comes where the q is its started
+        replica's next and of a round this node has reached; held where it follows a q still
+        coming or is of a round ahead; else put together whole and kept (a replica that waits
+        for its full copy, a gap)."""
+        sender, round = message.sender, message.round
+        assert message.piece is not None
+        if (streaming := self._streaming.get(sender)) is not None and streaming.round == round:
+            self._stream(message, streaming)
+            return
+        if (assembly := self._assembling.get(sender)) is not None and assembly.round == round:
+            self._assemble(message, assembly)
+            return
+        if (sender, round) in self._held_keys:
+            self._held.append((message, gamma))
+            return
+        if message.piece.offset:  # (the rest of a q dropped when the sum started again)
+            self.dropped["choco_piece"] += 1
+            return
+        replica = self._replicas.setdefault(sender, _Replica())
+        if round < replica.next_round:
+            return  # already in the full copy this replica started from
+        if round > self.round + MAX_PENDING:
+            self.dropped["choco_ahead"] += 1
+            return
+        if replica.value is None and replica.next_round == round == 0:
+            self._start_at_zero(sender, replica)  # (x̂⁰ = 0)
+        if self._sum is not None and replica.value is not None:
+            if round > self.round or sender in self._streaming:
+                self._held.append((message, gamma))
+                self._held_keys.add((sender, round))
+                return
+            if round == replica.next_round:
+                try:
+                    codec = self.codec.for_message(message.meta)
+                    decode = StreamedDecode(codec, message.piece.specs, self._sum, replica.weight)
+                except CodecError as exc:
+                    self.rejected[exc.reason] += 1
+                    return
+                self._streaming[sender] = streaming = _Streaming(round, decode, gamma)
+                self._stream(message, streaming)
+                return
+        total = sum(nbytes for _, _, nbytes in message.piece.specs)
+        self._assembling[sender] = assembly = _Assembly(
+            round, gamma, message.piece.specs, np.empty(total, np.uint8)
+        )
+        self._assemble(message, assembly)
+
+    def _stream(self, message: Envelope, streaming: _Streaming) -> None:
+        sender = message.sender
+        assert message.piece is not None
+        offset = message.piece.offset
+        try:
+            for part in message.tensors:
+                streaming.decode.feed(part, offset)
+                offset += part.nbytes
+        except CodecError as exc:
+            self.rejected[exc.reason] += 1
+            self._restart_sum()  # (what came of it is in the sum)
+            return
+        if streaming.decode.complete:
+            del self._streaming[sender]
+            replica = self._replicas[sender]
+            replica.next_round, replica.gamma = streaming.round + 1, streaming.gamma
+            self._accepted(message)
+            self._catch_up(sender, replica, self.round)
+            self._release_held()
+
+    def _assemble(self, message: Envelope, assembly: _Assembly) -> None:
+        sender = message.sender
+        assert message.piece is not None
+        offset = message.piece.offset
+        for part in message.tensors:
+            fits = offset == assembly.received and offset + part.size <= assembly.payload.size
+            if not fits or part.dtype != np.uint8:
+                self.rejected["piece_order"] += 1
+                del self._assembling[sender]
+                return
+            assembly.payload[offset : offset + part.size] = part
+            offset = assembly.received = offset + part.size
+        if assembly.received < assembly.payload.size:
+            return
+        del self._assembling[sender]
+        try:
+            codec = self.codec.for_message(message.meta)
+            frames = to_device(assembly.frames(), self.params)
+            codec.check(frames, message.meta, self.params.size)
+        except CodecError as exc:
+            self.rejected[exc.reason] += 1
+            return
+        self._keep(message, _Update(codec, frames, message.meta, assembly.gamma))
+
+    def _release_held(self) -> None:
+        """Route the held pieces again, in the order they came, until none moves on."""
+        if self._releasing:
+            return  # (a q completed while releasing: the loop below goes on)
+        self._releasing = True
+        try:
+            while self._held:
+                held, self._held, self._held_keys = self._held, [], set()
+                for message, gamma in held:
+                    self._route_piece(message, gamma)
+                if len(self._held) == len(held):
+                    break
+        finally:
+            self._releasing = False
 
     def _start_at_zero(self, sender: str, replica: _Replica) -> None:
         if self._sum is None:
@@ -416,14 +587,17 @@ class CHOCO(Averager):
             self._restart_sum()
         self._weights = weights
 
-    def _restart_sum(self) -> None:
+    def _restart_sum(self, counted: bool = True) -> None:
         """Empty the sum: each neighbour's replica starts again from its full copy, which its
-        next q asks for."""
+        next q asks for (``counted`` in ``sum_restarts``, unless the node itself restarts)."""
         assert self._sum is not None
         self._sum[...] = 0
         for replica in self._replicas.values():
             replica.value = None
-        self.sum_restarts += 1
+        self._streaming.clear()  # (their pieces to come are dropped: the full copies hold them)
+        self._held.clear()
+        self._held_keys.clear()
+        self.sum_restarts += counted
 
     def _send_full_copy(self, to: str) -> None:
         """Answer a request for our public copy: a member's, at most once per half round

@@ -199,10 +199,10 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         overlap = self.options.get("overlap")
         return self.family.mixes_late if overlap is None else overlap > 0
 
-    def piece_kinds(self, robust: RobustRule | None = None) -> tuple[str, ...]:
-        """The kinds its averager, built with ``robust``, takes piece by piece (see
-        ``Averager.piece_kinds``)."""
-        return self.family.averager.piece_kinds({**self._averager_options(), "robust": robust})
+    def piece_kinds(self, robust: RobustRule | None = None, codec: Codec | None = None) -> tuple[str, ...]:
+        """The kinds its averager, built with ``robust`` and ``codec``, takes piece by piece
+        (see ``Averager.piece_kinds``)."""
+        return self.family.averager.piece_kinds(self._build_options(codec, robust))
 
     def check(
         self,
@@ -265,21 +265,24 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
         """The averager, after :meth:`check`; ``layout``: how the model's values go on the wire
         (see ``gossip.buffers.vector.Layout``)."""
         self.check(topology=topology, codec=codec, robust=robust)
-        family = self.family
-        options = self._averager_options()
-        if family.averager.needs.compression:
-            options["codec"] = codec or Codec()
-        if robust is not None:
-            options["robust"] = robust
-        return family.averager(
+        return self.family.averager(
             peer,
             params,
             topology=topology or self.default_topology,
             round_timeout=round_timeout,
             lock=lock,
             layout=layout,
-            **options,
+            **self._build_options(codec, robust),
         )
+
+    def _build_options(self, codec: Codec | None, robust: RobustRule | None) -> dict[str, Any]:
+        """The averager's keyword arguments beyond the common ones."""
+        options = self._averager_options()
+        if self.family.averager.needs.compression:
+            options["codec"] = codec or Codec()
+        if robust is not None:
+            options["robust"] = robust
+        return options
 
     def _averager_options(self) -> dict[str, Any]:
         """The parameters as the averager's keyword arguments."""

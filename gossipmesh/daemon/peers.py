@@ -68,7 +68,7 @@ def make_peer(
         ranks=ranks,
         streams=config.streams,
     )
-    peer.take_pieces(config.algorithm.piece_kinds(config.robust))
+    peer.take_pieces(config.algorithm.piece_kinds(config.robust, config.compression))
     return peer
 
 
