@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gossip import CHOCO, DPSGD, SGP
-from gossip.algorithms.choco import MAX_PENDING
+from gossip.algorithms.choco_replicas import MAX_PENDING
 from gossip.buffers.pieces import RunningMix
 from gossip.compression import Int8, Sparse
 from gossip.messages import STATE_CHUNK as CHUNK

@@ -25,7 +25,7 @@ from gossip import (
     IncompatibleOptionsError,
     consensus_distance,
 )
-from gossip.algorithms.choco import StepSize
+from gossip.algorithms.choco_step import StepSize
 from gossip.buffers.vector import CHUNK
 from gossip.compression import INT8_BLOCK, SEGMENT, Int8, StreamedDecode
 from gossip.optim.outer import OuterNesterov

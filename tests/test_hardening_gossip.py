@@ -18,7 +18,7 @@ import torch
 from helpers import in_background, started_peers
 
 from gossip import CHOCO, DPSGD, Algorithm, GossipOptimizer
-from gossip.algorithms.choco import MAX_PENDING
+from gossip.algorithms.choco_replicas import MAX_PENDING
 from gossip.algorithms.robust import RobustRule
 from gossip.compression import INT8_BLOCK, BFloat16, Codec, CodecError, Float16, Int8
 from gossip.messages import CHOCO_FULL as FULL

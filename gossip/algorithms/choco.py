@@ -61,160 +61,25 @@ in pinned memory, ``gossip.buffers.arrays.to_host``) and back (``to_device``).
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
+from gossip.algorithms.choco_replicas import MAX_PENDING, Assembly, Replica, Streaming, Update, finite, owned
+from gossip.algorithms.choco_step import StepSize, choco_step
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
-from gossip.buffers.vector import add_scaled, all_finite, squared_distance
+from gossip.buffers.vector import add_scaled, squared_distance
 from gossip.compression import Codec, CodecError, Encoded, Sparse, StreamedDecode
-from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep, PayloadError
+from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep
 from gossip.network import Envelope, PeerNetwork
 from topologies import MixingRow
 
 if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
     from typing import Unpack
-
-# q's kept for a replica waiting for its full copy (beyond that, ask again), and how many rounds
-# ahead of this node a q may be: a neighbour holds at most MAX_PENDING + 1 of them here
-MAX_PENDING = 64
-
-
-QUALITY_MEMORY = 0.9  # weight of the past rounds in the running compression quality
-MIN_GAMMA = 1e-4
-
-
-class StepSize:
-    """The consensus step size γ of one node: fixed (1 for the dense codecs, or as configured),
-    or, for a sparse codec left to its default, the running compression quality
-
-        δ = |Q(d)|² / |d|²   (d = x - x̂, the difference this round sends)
-
-    that is, the share of what is owed that a message carries. CHOCO's theory asks for γ of the
-    order of δ, and no fixed γ fits every fraction and phase: top-1% carries δ ≈ 0.04 of a
-    pure-averaging residual but 0.06-0.12 of a training one (heavy-tailed), top-10% 0.35-0.7.
-    Measured limits match γ ≈ δ: pure averaging (ring of 8) with top-1% diverges at γ = 0.08
-    and not at 0.05, random-10% (δ = 0.1) at 0.2 and not at 0.1; training the digits MLP
-    (8 nodes, exponential) with top-1% drifts apart at 0.1 and not at 0.05, where the fixed
-    default before this one, 2 x the fraction = 0.02, never put every node at 0.95.
-
-    Each message carries its sender's γ, and a pair mixes with the smaller of its two, so the
-    pair terms still cancel and the mean of the models is kept exactly."""
-
-    def __init__(self, fixed: float | None) -> None:
-        if fixed is not None and not 0 < fixed <= 1:
-            raise ValueError(f"CHOCO: gamma must be in (0, 1], got {fixed}")
-        self.fixed = fixed
-        self.value = 1.0 if fixed is None else fixed
-        self._quality: float | None = None
-
-    def measures(self, codec: Codec) -> bool:
-        """Whether a round encoded by ``codec`` updates the running quality (then
-        :meth:`update` wants what the round owed and what it carried)."""
-        return self.fixed is None and isinstance(codec, Sparse)
-
-    def update(self, codec: Codec, owed: float, carried: float) -> float:
-        """γ for a round encoded by ``codec`` that owed ``owed`` = |d|² and carried ``carried``
-        = |Q(d)|²: the fixed one, 1 for a dense codec, else the running quality."""
-        if self.fixed is not None:
-            return self.fixed
-        if not self.measures(codec):
-            return 1.0  # (a sparse codec's dense round leaves its running quality alone)
-        if owed > 0 and math.isfinite(owed):
-            quality = carried / owed
-            previous = quality if self._quality is None else self._quality
-            self._quality = QUALITY_MEMORY * previous + (1 - QUALITY_MEMORY) * quality
-            self.value = min(1.0, max(MIN_GAMMA, self._quality))
-        return self.value
-
-
-def choco_step(meta: Mapping[str, Any]) -> ChocoStep | None:
-    """The sender's step a q or full copy names; None if it names no valid γ."""
-    try:
-        step = ChocoStep.decode(meta)
-    except PayloadError:
-        return None
-    return step if 0 < step.gamma <= 1 else None
-
-
-@dataclass(frozen=True)
-class _Update:
-    """A neighbour's q as it came, checked but not decoded (int8: a quarter of its decoded
-    bytes): decoded into its replica when its turn comes."""
-
-    codec: Codec
-    frames: Sequence[Array]
-    meta: Mapping[str, Any]
-    gamma: float  # the sender's γ at its round
-
-
-@dataclass
-class _Streaming:
-    """A neighbour's q of ``round`` being added into the sum as its pieces arrive."""
-
-    round: int
-    decode: StreamedDecode
-    gamma: float
-
-
-@dataclass
-class _Assembly:
-    """A neighbour's q of ``round`` whose pieces are put together whole, to be kept as it came
-    (for a replica that waits for its full copy, or after a gap)."""
-
-    round: int
-    gamma: float
-    specs: Sequence[tuple[Any, Any, int]]
-    payload: np.ndarray  # uint8
-    received: int = 0
-
-    def frames(self) -> list[np.ndarray]:
-        ends = itertools.accumulate(nbytes for _, _, nbytes in self.specs)
-        starts = [0, *itertools.accumulate(nbytes for _, _, nbytes in self.specs)]
-        return [
-            self.payload[lo:hi].view(dtype).reshape(shape)
-            for (dtype, shape, _), lo, hi in zip(self.specs, starts, ends, strict=False)
-        ]
-
-
-@dataclass
-class _Replica:
-    """A neighbour's public copy as this node holds it, at the version of one round: in an array
-    of its own, or weighed into the sum of the neighbours' copies (:class:`CHOCO`)."""
-
-    value: Array | None = None  # what its q's are added to (on this node's device); None until it starts
-    weight: float = 1.0  # what its q's are scaled by there
-    next_round: int = 0  # the round of the next q to add (the value is that of the round before)
-    gamma: float = 1.0  # the sender's γ at the value's round
-    pending: dict[int, _Update] = field(default_factory=dict)  # the q's not added yet, by round
-    asked_at: float = -math.inf  # when the full copy was last requested (peer.now() s)
-
-    def catch_up(self, upto: int) -> bool:
-        """Add the pending q's of rounds up to ``upto`` that follow on without a gap; False when
-        that made the value non-finite (then it is dropped: the full copy is asked again)."""
-        if self.value is None:
-            return True
-        start = self.next_round
-        with np.errstate(over="ignore"):  # an overflow is what the check below catches
-            while self.next_round <= upto and (q := self.pending.pop(self.next_round, None)) is not None:
-                q.codec.add_decoded(self.value, q.frames, q.meta, self.weight)
-                self.gamma = q.gamma
-                self.next_round += 1
-        if self.next_round == start or _finite(self.value):
-            return True
-        self.value = None
-        return False
-
-    @property
-    def has_gap(self) -> bool:
-        """A q is missing before the ones pending (they come in order from one sender)."""
-        return bool(self.pending) and min(self.pending) != self.next_round
 
 
 class CHOCO(Averager):
@@ -253,7 +118,7 @@ class CHOCO(Averager):
         self.public = array_module(params).zeros_like(params)  # x̂_i
         self._published = -1  # the last round whose q is in self.public
         self._published_gamma = self.step_size.value  # this node's γ at that round
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, Replica] = {}
         # Σ_j w_ij x̂_j where every pair mixes at γ = 1 (a dense codec, γ left to its default):
         # one vector whatever the degree, instead of a replica per neighbour
         summed = gamma is None and codec.dense
@@ -263,8 +128,8 @@ class CHOCO(Averager):
         # q's taken piece by piece (the sum's): each neighbour's being added, or put together
         # whole, and pieces that wait for their turn (a window of each stream: credit bounds it)
         peer.take_pieces(self.piece_kinds({"codec": codec, "gamma": gamma}))
-        self._streaming: dict[str, _Streaming] = {}
-        self._assembling: dict[str, _Assembly] = {}
+        self._streaming: dict[str, Streaming] = {}
+        self._assembling: dict[str, Assembly] = {}
         self._held: list[tuple[Envelope, float]] = []
         self._held_keys: set[tuple[str, int]] = set()
         self._releasing = False
@@ -363,7 +228,7 @@ class CHOCO(Averager):
             self._assembling.pop(gone, None)
         self._release_held()
         for j in row.receive_from:  # (a replica with no start asks once j's q's show it: _take)
-            self._catch_up(j, self._replicas.setdefault(j, _Replica()), r)
+            self._catch_up(j, self._replicas.setdefault(j, Replica()), r)
         expected = set(row.receive_from) - self._silent - self.pace.stragglers(row.receive_from)
         deadline = self.peer.now() + self.wait_limit()
         while True:
@@ -390,7 +255,7 @@ class CHOCO(Averager):
         if message.kind == CHOCO_FULL:
             if self._valid(message, self.vector_layout):
                 self._heard_from(sender)
-                replica = self._replicas.setdefault(sender, _Replica())
+                replica = self._replicas.setdefault(sender, Replica())
                 if not self._start(sender, replica, message.tensors[0], step.since):
                     return
                 replica.next_round, replica.gamma = message.round + 1, gamma
@@ -411,7 +276,7 @@ class CHOCO(Averager):
             self.rejected[exc.reason] += 1
             return
         self._arrived(message)
-        self._keep(message, _Update(codec, frames, message.meta, gamma))
+        self._keep(message, Update(codec, frames, message.meta, gamma))
 
     def _arrived(self, message: Envelope) -> None:
         """A neighbour's q began to arrive."""
@@ -419,10 +284,10 @@ class CHOCO(Averager):
         self.pace.arrived(message.sender, message.round, self.peer.now())
         self.staleness.add(max(0, self.round - message.round))  # late q's still count in full
 
-    def _keep(self, message: Envelope, update: _Update) -> None:
+    def _keep(self, message: Envelope, update: Update) -> None:
         """Keep a neighbour's checked q, whole, until its replica takes it in."""
         sender = message.sender
-        replica = self._replicas.setdefault(sender, _Replica())
+        replica = self._replicas.setdefault(sender, Replica())
         if message.round < replica.next_round:
             return  # already in the full copy this replica started from
         if message.round > self.round + MAX_PENDING:
@@ -437,7 +302,7 @@ class CHOCO(Averager):
             if self._sum is None or sender in self._weights:  # (the sum keeps neighbours only)
                 self._ask_full_copy(sender, replica)
 
-    def _catch_up(self, sender: str, replica: _Replica, upto: int) -> None:
+    def _catch_up(self, sender: str, replica: Replica, upto: int) -> None:
         if replica.value is None and replica.next_round == 0 and 0 in replica.pending:
             self._start_at_zero(sender, replica)  # (x̂⁰ = 0)
         if not replica.catch_up(upto):
@@ -466,7 +331,7 @@ class CHOCO(Averager):
         if message.piece.offset:  # (the rest of a q dropped when the sum started again)
             self.dropped["choco_piece"] += 1
             return
-        replica = self._replicas.setdefault(sender, _Replica())
+        replica = self._replicas.setdefault(sender, Replica())
         if round < replica.next_round:
             return  # already in the full copy this replica started from
         if round > self.round + MAX_PENDING:
@@ -486,16 +351,16 @@ class CHOCO(Averager):
                 except CodecError as exc:
                     self.rejected[exc.reason] += 1
                     return
-                self._streaming[sender] = streaming = _Streaming(round, decode, gamma)
+                self._streaming[sender] = streaming = Streaming(round, decode, gamma)
                 self._stream(message, streaming)
                 return
         total = sum(nbytes for _, _, nbytes in message.piece.specs)
-        self._assembling[sender] = assembly = _Assembly(
+        self._assembling[sender] = assembly = Assembly(
             round, gamma, message.piece.specs, np.empty(total, np.uint8)
         )
         self._assemble(message, assembly)
 
-    def _stream(self, message: Envelope, streaming: _Streaming) -> None:
+    def _stream(self, message: Envelope, streaming: Streaming) -> None:
         sender = message.sender
         assert message.piece is not None
         offset = message.piece.offset
@@ -515,7 +380,7 @@ class CHOCO(Averager):
             self._catch_up(sender, replica, self.round)
             self._release_held()
 
-    def _assemble(self, message: Envelope, assembly: _Assembly) -> None:
+    def _assemble(self, message: Envelope, assembly: Assembly) -> None:
         sender = message.sender
         assert message.piece is not None
         offset = message.piece.offset
@@ -537,7 +402,7 @@ class CHOCO(Averager):
         except CodecError as exc:
             self.rejected[exc.reason] += 1
             return
-        self._keep(message, _Update(codec, frames, message.meta, assembly.gamma))
+        self._keep(message, Update(codec, frames, message.meta, assembly.gamma))
 
     def _release_held(self) -> None:
         """Route the held pieces again, in the order they came, until none moves on."""
@@ -554,17 +419,17 @@ class CHOCO(Averager):
         finally:
             self._releasing = False
 
-    def _start_at_zero(self, sender: str, replica: _Replica) -> None:
+    def _start_at_zero(self, sender: str, replica: Replica) -> None:
         if self._sum is None:
             replica.value = array_module(self.params).zeros_like(self.params)
         elif sender in self._weights:
             replica.value, replica.weight = self._sum, self._weights[sender]
 
-    def _start(self, sender: str, replica: _Replica, copy: Array, since: int | None) -> bool:
+    def _start(self, sender: str, replica: Replica, copy: Array, since: int | None) -> bool:
         """Start ``sender``'s replica from its public copy ``copy`` (whose last q is that of
         round ``since``); False where the summed form keeps no replica of it (not a neighbour)."""
         if self._sum is None:
-            replica.value = _owned(copy, self.params)
+            replica.value = owned(copy, self.params)
             return True
         weight = self._weights.get(sender)
         if weight is None:
@@ -618,7 +483,7 @@ class CHOCO(Averager):
         self.peer.send(to, CHOCO_FULL, self._published, to_host([self.public.copy()]), meta)
         self.full_copies_sent += 1
 
-    def _ask_full_copy(self, node: str, replica: _Replica) -> None:
+    def _ask_full_copy(self, node: str, replica: Replica) -> None:
         """Request ``node``'s public copy, at most once per round timeout."""
         now = self.peer.now()
         if now - replica.asked_at >= self.round_timeout:
@@ -654,7 +519,7 @@ class CHOCO(Averager):
             part *= gamma
             with np.errstate(over="ignore"):  # an overflow is what the check below catches
                 part += self.params[lo:hi]
-            if not _finite(part):  # a diverged neighbour's q's, finite but past float32 once mixed:
+            if not finite(part):  # a diverged neighbour's q's, finite but past float32 once mixed:
                 self.rejected["non_finite"] += 1  # the chunks before this one stay mixed
                 self._restart_sum()
                 return set()
@@ -682,20 +547,3 @@ class CHOCO(Averager):
             usable.add(j)
         add_scaled(self.params, self.public, -total, self._scratch)
         return usable
-
-
-def _owned(value: Array, like: Array) -> Array:
-    """``value`` (a received full copy) to keep and add to: itself where it is a writable array
-    of ``like``'s kind (a large message's reassembly buffer), else a copy."""
-    xp = array_module(like)
-    if isinstance(value, type(like)) and value.dtype == like.dtype and value.flags.writeable:
-        return value
-    return xp.array(value, dtype=like.dtype)
-
-
-def _finite(value: Array) -> bool:
-    return (
-        all_finite(value)
-        if isinstance(value, np.ndarray)
-        else bool(array_module(value).isfinite(value).all())
-    )
