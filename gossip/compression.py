@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gossip.buffers.arrays import Array, array_module, to_device
+from gossip.buffers.pieces import BLOCK
 from gossip.buffers.vector import CHUNK
 from topologies.spec import Params, choice, number, parse_spec, spellings
 
@@ -112,12 +113,12 @@ class Codec:
     def check_side(self, side: Sequence[Array]) -> None:
         """Raise :class:`CodecError` unless the frames before the values are ones it makes."""
 
-    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
-        """Elements ``first...`` of the vector as float32, from their ``values`` (a part of the
-        last frame) and the checked ``side`` frames; raises :class:`CodecError` for values no
-        encoder makes."""
+    def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
+        """``scale`` x elements ``first...`` of the vector as float32, from their ``values`` (a
+        part of the last frame) and the checked ``side`` frames; raises :class:`CodecError` for
+        values no encoder makes."""
         _check_finite(values)
-        return values
+        return values if scale == 1.0 else values * np.float32(scale)
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
         """The vector ``frames`` encode (checked first)."""
@@ -181,9 +182,11 @@ class Float16(Codec):
     def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
         return [(np.dtype(np.float16), size)]
 
-    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+    def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
         _check_finite(values)
-        return values.astype(np.float32)
+        decoded = values.astype(np.float32)
+        decoded *= np.float32(scale)
+        return decoded
 
 
 class BFloat16(Codec):
@@ -218,9 +221,11 @@ class BFloat16(Codec):
     def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
         return [(np.dtype(np.uint16), size)]
 
-    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+    def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
         _check_bf16_finite(values)
-        return _widen_bf16(values)
+        decoded = _widen_bf16(values)
+        decoded *= np.float32(scale)
+        return decoded
 
 
 class Int8(Codec):
@@ -236,10 +241,13 @@ class Int8(Codec):
         q = xp.empty(x.size, dtype=np.int8)
         scales = xp.empty(_block_count(x.size), dtype=np.float32)
         for lo, hi, part in _chunks_of(x, minus):
-            blocks = _padded(part).reshape(-1, INT8_BLOCK)
-            block_scales = xp.abs(blocks).max(axis=1) / 127.0
-            blocks /= xp.where(block_scales > 0, block_scales, 1.0).astype(np.float32)[:, None]
-            q[lo:hi] = xp.rint(blocks).reshape(-1)[: hi - lo]
+            # (a difference is a chunk of its own, scaled in place; a chunk of x is a view of it)
+            whole = minus is not None and part.size % INT8_BLOCK == 0
+            blocks = (part if whole else _padded(part)).reshape(-1, INT8_BLOCK)
+            block_scales = xp.maximum(blocks.max(axis=1), -blocks.min(axis=1))  # (no |blocks|)
+            block_scales /= np.float32(127.0)
+            blocks /= xp.where(block_scales > 0, block_scales, np.float32(1.0))[:, None]
+            q[lo:hi] = xp.rint(blocks, out=blocks).reshape(-1)[: hi - lo]
             scales[lo // INT8_BLOCK : lo // INT8_BLOCK + block_scales.size] = block_scales
         return Encoded([scales, q])  # (the scales first: a receiver decodes q as it arrives)
 
@@ -268,12 +276,16 @@ class Int8(Codec):
                 "codec_scale", f"an int8 scale above {_INT8_MAX_SCALE:.3g}: no encoder makes one"
             )
 
-    def decode_range(self, values: Array, first: int, side: Sequence[Array]) -> Array:
+    def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
         _check_int8_values(values)
         (scales,) = side
         head = first % INT8_BLOCK  # (the range may begin and end inside a block)
         covering = scales[first // INT8_BLOCK : (first + values.size - 1) // INT8_BLOCK + 1]
-        return values * array_module(values).repeat(covering, INT8_BLOCK)[head : head + values.size]
+        decoded = array_module(values).repeat(covering * np.float32(scale), INT8_BLOCK)[
+            head : head + values.size
+        ]
+        decoded *= values  # (as add_decoded: each value times its block's scale x scale)
+        return decoded
 
 
 class Sparse(Codec):
@@ -538,7 +550,7 @@ class StreamedDecode:
         self._side_host = [np.empty(n, dtype) for dtype, n in self._frames[:-1]]
         self._side: list[Array] = []
         self._y = y
-        self._scale = np.float32(scale)
+        self._scale = scale
         self.received = 0  # payload bytes fed so far
 
     @property
@@ -570,11 +582,11 @@ class StreamedDecode:
 
     def _add(self, values: np.ndarray, first: int) -> None:
         xp = array_module(self._y)
-        for lo in range(0, values.size, CHUNK):
-            (part,) = to_device([values[lo : lo + CHUNK]], self._y)
+        for lo in range(0, values.size, BLOCK):  # (a block stays in cache through the passes)
+            (part,) = to_device([values[lo : lo + BLOCK]], self._y)
             at = first + lo
             target = self._y[at : at + part.size]
             with np.errstate(over="ignore"):  # an overflow is what the check below catches
-                target += self._codec.decode_range(part, at, self._side) * self._scale
+                target += self._codec.decode_range(part, at, self._side, self._scale)
             if not bool(xp.isfinite(target).all()):
                 raise CodecError("non_finite", "the sum overflowed")

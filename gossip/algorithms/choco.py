@@ -72,6 +72,7 @@ from gossip.algorithms.choco_replicas import MAX_PENDING, Assembly, Replica, Str
 from gossip.algorithms.choco_step import StepSize, choco_step
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
+from gossip.buffers.pieces import BLOCK
 from gossip.buffers.vector import add_scaled, squared_distance
 from gossip.compression import Codec, CodecError, Encoded, Sparse, StreamedDecode
 from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep
@@ -511,12 +512,14 @@ class CHOCO(Averager):
         gamma = min(self._published_gamma, *(self._replicas[j].gamma for j in started)) / (1 + oldest)
         total = sum(self._replicas[j].weight for j in started)
         xp = array_module(self.params)
-        for lo in range(0, self.params.size, self._scratch.size):
-            hi = min(self.params.size, lo + self._scratch.size)
+        step = min(BLOCK, self._scratch.size)  # (a block stays in cache through the five passes)
+        for lo in range(0, self.params.size, step):
+            hi = min(self.params.size, lo + step)
             part = self._scratch[: hi - lo]
             xp.multiply(self.public[lo:hi], -total, out=part)
             part += self._sum[lo:hi]
-            part *= gamma
+            if gamma != 1.0:
+                part *= gamma
             with np.errstate(over="ignore"):  # an overflow is what the check below catches
                 part += self.params[lo:hi]
             if not finite(part):  # a diverged neighbour's q's, finite but past float32 once mixed:
