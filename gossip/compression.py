@@ -44,8 +44,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gossip.buffers.arrays import Array, array_module, to_device
-from gossip.buffers.pieces import BLOCK
-from gossip.buffers.vector import CHUNK
+from gossip.buffers.vector import BLOCK, CHUNK
 from topologies.spec import Params, choice, number, parse_spec, spellings
 
 INT8_BLOCK = 256  # elements sharing one int8 scale: 4 bytes of scale per 256 bytes of values

@@ -72,7 +72,6 @@ from gossip.algorithms.choco_replicas import MAX_PENDING, Assembly, Replica, Str
 from gossip.algorithms.choco_step import StepSize, choco_step
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
-from gossip.buffers.pieces import BLOCK
 from gossip.buffers.vector import add_scaled, squared_distance
 from gossip.compression import Codec, CodecError, Encoded, Sparse, StreamedDecode
 from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep
@@ -512,9 +511,8 @@ class CHOCO(Averager):
         gamma = min(self._published_gamma, *(self._replicas[j].gamma for j in started)) / (1 + oldest)
         total = sum(self._replicas[j].weight for j in started)
         xp = array_module(self.params)
-        step = min(BLOCK, self._scratch.size)  # (a block stays in cache through the five passes)
-        for lo in range(0, self.params.size, step):
-            hi = min(self.params.size, lo + step)
+        for lo in range(0, self.params.size, self._scratch.size):  # (in cache through five passes)
+            hi = min(self.params.size, lo + self._scratch.size)
             part = self._scratch[: hi - lo]
             xp.multiply(self.public[lo:hi], -total, out=part)
             part += self._sum[lo:hi]

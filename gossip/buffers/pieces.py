@@ -34,8 +34,6 @@ import numpy as np
 
 from gossip.buffers.vector import Layout, all_finite, mix_into
 
-BLOCK = 1 << 18  # elements mixed at a time: a block of the vector and of the piece stay in cache
-
 #: weights by segment of a vector: (first element, weight from there on), the first at element 0
 Segments: TypeAlias = Sequence[tuple[int, float]]
 
@@ -73,8 +71,8 @@ class RunningMix:
         params: the node's vector, mixed in place (its own value when the round begins).
         layout: how neighbours' values go on the wire.
         self_weight: the node's own weight in the round's row, one for the vector or by segment.
-        scratch: a buffer of at least ``min(BLOCK, params.size)`` elements of ``params``' mixing
-            dtype (``gossip.buffers.vector.mixing_dtype``).
+        scratch: a buffer of ``params``' mixing dtype (``gossip.buffers.vector.scratch_for``:
+            a block of the vector, mixed at a time).
         lock: held while a block of ``params`` is written.
         coverage: what is known of the messages (default: this mix's own).
     """

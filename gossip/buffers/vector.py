@@ -19,6 +19,7 @@ import numpy as np
 from gossip.buffers.arrays import Array, array_module
 
 CHUNK = 1 << 20  # elements per vector op
+BLOCK = 1 << 18  # elements mixed at a time: a block stays in cache through the passes of a mix
 Frames = Sequence[np.ndarray]  # a vector on the wire: one frame per bucket of its Layout
 if TYPE_CHECKING:
     BFLOAT16: np.dtype  # numpy has none: ml_dtypes' (the one JAX uses), made by __getattr__
@@ -66,7 +67,7 @@ def mixing_dtype(dtype: np.dtype) -> np.dtype:
 
 def scratch_for(array: Array) -> Array:
     """A buffer for :func:`add_scaled` on vectors like ``array`` (on its device)."""
-    return array_module(array).empty(min(array.size, CHUNK), dtype=mixing_dtype(array.dtype))
+    return array_module(array).empty(min(array.size, BLOCK), dtype=mixing_dtype(array.dtype))
 
 
 def mix_into(target: Array, block: Array, keep: float = 1.0) -> None:
