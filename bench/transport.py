@@ -6,7 +6,7 @@ Two processes on 127.0.0.1 move a flat float32 parameter vector (100 MB and 1 GB
   with ``copy=False``: the floor of what ZeroMQ costs.
 - ``gossipmesh``: two ``p2p.Transport`` objects, as in two daemons: encode (zero-copy), the
   network thread, ZeroMQ, decode and validation on the receiver's network thread, the inbox.
-  Vectors above 8 MiB go as streams of 8 MiB chunks, reassembled as they arrive.
+  Vectors above 4 MiB go as streams of 4 MiB chunks, reassembled as they arrive.
 
 Each timed run sends ``--messages`` vectors and waits for the receiver's one-byte ack, so the
 time covers delivery to the receiving application. Arms alternate; the median run is reported.

@@ -41,7 +41,7 @@ MAX_NDIM = 8
 MAX_META_ITEMS = 32
 MAX_META_DEPTH = 6  # containers inside containers in a header's meta (membership needs 3)
 MAX_NAME_CHARS = 128
-CHUNK_BYTES = 8 << 20  # payloads above this go as a stream of chunks of this size
+CHUNK_BYTES = 4 << 20  # payloads above this go as a stream of chunks of this size
 MAX_CHUNK_BYTES = 16 << 20  # the largest payload of one ZeroMQ message a node accepts
 _U64 = 2**64 - 1
 

@@ -37,7 +37,7 @@ from p2p.transport.stats import TransportStats
 
 MAX_STREAMS_PER_PEER = 4  # streams queued to one peer; beyond, the oldest unfinished one is dropped
 MAX_QUEUED = 64  # messages waiting for the send cap (as ZMQ_SNDHWM)
-WINDOW_BYTES = 16 << 20  # a stream's bytes sent ahead of its receiver's credit (in whole chunks)
+WINDOW_BYTES = 8 << 20  # a stream's bytes sent ahead of its receiver's credit (in whole chunks)
 CREDIT_WAIT_S = 60.0  # a stream that gets no credit for this long is dropped
 
 
