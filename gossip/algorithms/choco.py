@@ -326,7 +326,7 @@ class CHOCO(Averager):
             self._assemble(message, assembly)
             return
         if (sender, round) in self._held_keys:
-            self._held.append((message, gamma))
+            self._hold(message, gamma)
             return
         if message.piece.offset:  # (the rest of a q dropped when the sum started again)
             self.dropped["choco_piece"] += 1
@@ -341,8 +341,7 @@ class CHOCO(Averager):
             self._start_at_zero(sender, replica)  # (x̂⁰ = 0)
         if self._sum is not None and replica.value is not None:
             if round > self.round or sender in self._streaming:
-                self._held.append((message, gamma))
-                self._held_keys.add((sender, round))
+                self._hold(message, gamma)
                 return
             if round == replica.next_round:
                 try:
@@ -403,6 +402,11 @@ class CHOCO(Averager):
             self.rejected[exc.reason] += 1
             return
         self._keep(message, Update(codec, frames, message.meta, assembly.gamma))
+
+    def _hold(self, message: Envelope, gamma: float) -> None:
+        """Keep a piece for its turn (the rest of its q follows it here)."""
+        self._held.append((message, gamma))
+        self._held_keys.add((message.sender, message.round))
 
     def _release_held(self) -> None:
         """Route the held pieces again, in the order they came, until none moves on."""
