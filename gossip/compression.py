@@ -94,15 +94,21 @@ class Codec:
 
     def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
         """Raise :class:`CodecError` unless ``frames`` and ``meta`` encode ``size`` finite values."""
-        (values,) = _expect(frames, [(np.float32, size)])
-        _check_finite(values)
+        *side, values = _expect(frames, self.stream_frames(size))
+        self.check_side(side)
+        for lo, hi in _spans(size):
+            self.check_values(values[lo:hi])
 
     def add_decoded(
         self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
     ) -> None:
         """y += ``scale`` x the vector that ``frames`` (checked) encode."""
+        *side, values = frames
         for lo, hi in _spans(y.size):
-            y[lo:hi] += frames[0][lo:hi] if scale == 1.0 else frames[0][lo:hi] * np.float32(scale)
+            y[lo:hi] += self.decode_range(values[lo:hi], lo, side, scale)
+
+    # A dense codec is these three (and its encoder): check and add_decoded above, and
+    # StreamedDecode as a message arrives, are made of them.
 
     def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
         """(dtype, elements) of each frame of a vector of ``size``, in order, for a dense codec:
@@ -112,11 +118,13 @@ class Codec:
     def check_side(self, side: Sequence[Array]) -> None:
         """Raise :class:`CodecError` unless the frames before the values are ones it makes."""
 
+    def check_values(self, values: Array) -> None:
+        """Raise :class:`CodecError` for a part of the values' frame no encoder makes."""
+        _check_finite(values)
+
     def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
         """``scale`` x elements ``first...`` of the vector as float32, from their ``values`` (a
-        part of the last frame) and the checked ``side`` frames; raises :class:`CodecError` for
-        values no encoder makes."""
-        _check_finite(values)
+        part of the last frame, checked) and the checked ``side`` frames."""
         return values if scale == 1.0 else values * np.float32(scale)
 
     def decode(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> Array:
@@ -168,24 +176,11 @@ class Float16(Codec):
             out[lo:hi] = part.clip(-_FP16_MAX, _FP16_MAX)
         return Encoded([out])
 
-    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
-        (values,) = _expect(frames, [(np.float16, size)])
-        _check_finite(values)
-
-    def add_decoded(
-        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
-    ) -> None:
-        for lo, hi in _spans(y.size):  # (every float16 widens to float32 exactly)
-            y[lo:hi] += frames[0][lo:hi].astype(np.float32) * np.float32(scale)
-
     def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
         return [(np.dtype(np.float16), size)]
 
     def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
-        _check_finite(values)
-        decoded = values.astype(np.float32)
-        decoded *= np.float32(scale)
-        return decoded
+        return _scaled(values.astype(np.float32), scale)  # (every float16 widens exactly)
 
 
 class BFloat16(Codec):
@@ -205,26 +200,15 @@ class BFloat16(Codec):
             out[lo:hi] = xp.minimum(top & np.uint64(0x7FFF), np.uint64(0x7F7F)) | (top & np.uint64(0x8000))
         return Encoded([out])
 
-    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
-        (top,) = _expect(frames, [(np.uint16, size)])
-        for lo, hi in _spans(size):
-            _check_bf16_finite(top[lo:hi])
-
-    def add_decoded(
-        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
-    ) -> None:
-        for lo, hi in _spans(y.size):
-            widened = _widen_bf16(frames[0][lo:hi])
-            y[lo:hi] += widened if scale == 1.0 else widened * np.float32(scale)
-
     def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
         return [(np.dtype(np.uint16), size)]
 
+    def check_values(self, values: Array) -> None:
+        if bool(((values & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()):  # all exponent bits set
+            raise CodecError("non_finite", "NaN or infinite values")
+
     def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
-        _check_bf16_finite(values)
-        decoded = _widen_bf16(values)
-        decoded *= np.float32(scale)
-        return decoded
+        return _scaled((values.astype(np.uint32) << np.uint32(16)).view(np.float32), scale)
 
 
 class Int8(Codec):
@@ -250,20 +234,6 @@ class Int8(Codec):
             scales[lo // INT8_BLOCK : lo // INT8_BLOCK + block_scales.size] = block_scales
         return Encoded([scales, q])  # (the scales first: a receiver decodes q as it arrives)
 
-    def check(self, frames: Sequence[Array], meta: Mapping[str, Any], size: int) -> None:
-        scales, q = _expect(frames, self.stream_frames(size))
-        self.check_side([scales])
-        _check_int8_values(q)
-
-    def add_decoded(
-        self, y: Array, frames: Sequence[Array], meta: Mapping[str, Any], scale: float = 1.0
-    ) -> None:
-        scales, q = frames
-        for lo, hi in _spans(y.size):
-            blocks = _padded(q[lo:hi]).reshape(-1, INT8_BLOCK)
-            blocks *= scales[lo // INT8_BLOCK : lo // INT8_BLOCK + blocks.shape[0], None] * np.float32(scale)
-            y[lo:hi] += blocks.reshape(-1)[: hi - lo]
-
     def stream_frames(self, size: int) -> list[tuple[np.dtype, int]]:
         return [(np.dtype(np.float32), _block_count(size)), (np.dtype(np.int8), size)]
 
@@ -275,8 +245,11 @@ class Int8(Codec):
                 "codec_scale", f"an int8 scale above {_INT8_MAX_SCALE:.3g}: no encoder makes one"
             )
 
+    def check_values(self, values: Array) -> None:
+        if values.size and int(values.min()) == -128:  # (at the largest scales it decodes to -inf)
+            raise CodecError("codec_value", "an int8 value of -128: no encoder makes one")
+
     def decode_range(self, values: Array, first: int, side: Sequence[Array], scale: float = 1.0) -> Array:
-        _check_int8_values(values)
         (scales,) = side
         head = first % INT8_BLOCK  # (the range may begin and end inside a block)
         covering = scales[first // INT8_BLOCK : (first + values.size - 1) // INT8_BLOCK + 1]
@@ -471,18 +444,11 @@ def _expect(frames: Sequence[Array], shapes: Sequence[tuple[type | np.dtype, int
     return list(frames)
 
 
-def _check_int8_values(q: Array) -> None:
-    if q.size and int(q.min()) == -128:  # (at the largest scales it decodes to -inf)
-        raise CodecError("codec_value", "an int8 value of -128: no encoder makes one")
-
-
-def _check_bf16_finite(top: Array) -> None:
-    if bool(((top & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()):  # all exponent bits: inf, NaN
-        raise CodecError("non_finite", "NaN or infinite values")
-
-
-def _widen_bf16(top: Array) -> Array:
-    return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
+def _scaled(decoded: Array, scale: float) -> Array:
+    """``decoded`` (a temporary of its own) times ``scale``, in place."""
+    if scale != 1.0:
+        decoded *= np.float32(scale)
+    return decoded
 
 
 def _check_finite(values: Array) -> None:
@@ -586,6 +552,7 @@ class StreamedDecode:
             at = first + lo
             target = self._y[at : at + part.size]
             with np.errstate(over="ignore"):  # an overflow is what the check below catches
+                self._codec.check_values(part)
                 target += self._codec.decode_range(part, at, self._side, self._scale)
             if not bool(xp.isfinite(target).all()):
                 raise CodecError("non_finite", "the sum overflowed")
