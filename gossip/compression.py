@@ -499,7 +499,7 @@ class StreamedDecode:
     """Adds ``scale`` x the vector a dense codec's message encodes into ``y`` as the message's
     payload arrives, in order, as bytes (:meth:`feed`, the pieces of ``PeerNetwork.take_pieces``):
     the frames before the values (int8's scales, 1/64 of its bytes) are kept until whole and
-    checked, the values are checked and decoded CHUNK elements at a time and added where they
+    checked, the values are checked and decoded BLOCK elements at a time and added where they
     belong. Nothing the size of the vector is held. Raises :class:`CodecError` for frames that
     are not the codec's (``codec_frames``), bytes out of order or across an element
     (``piece_order``), values no encoder makes, and a sum that overflowed (``non_finite``); the

@@ -109,7 +109,7 @@ class PushShare(Payload):
 @dataclass(frozen=True)
 class ChocoStep(Payload):
     """CHOCO: the sender's step size γ at the round of its update q or of its public copy (an
-    update's codec fields ride along: ``Codec.decode`` reads them); a public copy names
+    update's codec fields ride along: its codec reads them); a public copy names
     ``since``, the round of the last q it holds (a node that skipped rounds sends its copy as of
     a later round than that)."""
 

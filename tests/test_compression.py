@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
@@ -411,9 +412,18 @@ class StreamsUpdates:
     """A node's endpoint whose CHOCO updates reach their receivers as the transport hands on a
     large message: pieces of ``size`` payload bytes (int8's scales and values cut across)."""
 
-    def __init__(self, peer: MemoryPeer, size: int = 1000, corrupt: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        peer: MemoryPeer,
+        size: int = 1000,
+        corrupt: tuple[str, int] | None = None,
+        cut: tuple[str, int] | None = None,
+        reverse: bool = False,
+    ) -> None:
         self._peer, self._size = peer, size
         self._corrupt = corrupt  # (receiver, round): an int8 value of that update set to -128
+        self._cut = cut  # (receiver, round): that update's last piece never comes
+        self._reverse = reverse  # the pieces come last first (as over several connections)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._peer, name)
@@ -425,24 +435,29 @@ class StreamsUpdates:
         payload, specs = _payload([np.asarray(t) for t in tensors])
         if self._corrupt == (to, round):
             payload[-10] = np.uint8(128)  # (in the last piece: the first ones are in the sum already)
-        for lo in range(0, payload.size, self._size):
+        starts = list(range(0, payload.size, self._size))
+        if self._cut == (to, round):
+            starts.pop()
+        for lo in reversed(starts) if self._reverse else starts:
             piece = Piece(lo, tuple(specs))
             chunk = (payload[lo : lo + self._size].copy(),)
             self._peer.network.deliver(to, Message(kind, self.node_id, round, chunk, meta or {}, piece=piece))
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "last first"])
 @pytest.mark.parametrize("stragglers", ["wait", "tolerate"])
-def test_choco_adds_updates_to_its_sum_as_their_pieces_arrive(stragglers: str) -> None:
-    """A ring of 4 whose updates come piece by piece (three pieces of 1 KB each): the same
-    models as whole updates give, waiting for every neighbour (the int8 values scaled by a
-    pair's weight round differently), and the mean kept and reached either way; no update is
-    held whole."""
+def test_choco_adds_updates_to_its_sum_as_their_pieces_arrive(stragglers: str, reverse: bool) -> None:
+    """A ring of 4 whose updates come piece by piece (three pieces of 1 KB each), in order or
+    last first (a stream spread over several connections, ``--streams``, comes in any order):
+    the same models as whole updates give, waiting for every neighbour (the int8 values scaled
+    by a pair's weight round differently), and the mean kept and reached either way; no update
+    is held whole."""
     results = []
     for streamed in (False, True):
         network = MemoryNetwork()
         peers: list[Any] = [network.join(f"node-{i}") for i in range(4)]
         if streamed:
-            peers = [StreamsUpdates(p) for p in peers]
+            peers = [StreamsUpdates(p, reverse=reverse) for p in peers]
         vectors = [vector(seed, 2500) for seed in range(4)]
         target = np.mean(vectors, axis=0)
         choco = [
@@ -503,6 +518,80 @@ def test_a_lost_streamed_update_is_repaired_with_full_copies() -> None:
     assert consensus_distance(vectors) < 1e-4
 
 
+def test_an_update_cut_off_mid_stream_starts_the_sum_again() -> None:
+    """node-2's round-5 update to node-1 loses its last piece (its connection closed): its
+    first pieces are in node-1's sum and the rest never comes. After five round timeouts
+    without a piece node-1 starts its sum again from full copies, and the mesh reaches one
+    model; until then it waits for node-2 as for a late neighbour."""
+    network = MemoryNetwork()
+    peers: list[Any] = [
+        StreamsUpdates(network.join("node-0")),
+        StreamsUpdates(network.join("node-1")),
+        StreamsUpdates(network.join("node-2"), cut=("node-1", 5)),
+    ]
+    vectors = [vector(seed, 2500) for seed in range(3)]
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"), round_timeout=0.05)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+
+    def run(node: CHOCO) -> None:  # (rounds until node-1 has started again, then 30 more)
+        while not choco[1].sum_restarts:
+            node.after_step()
+        for _ in range(30):
+            node.after_step()
+
+    run_together(partial(run, c) for c in choco)
+    assert [(c.sum_restarts, c.dropped["choco_stream_cut"]) for c in choco] == [(0, 0), (1, 1), (0, 0)]
+    expected = sum(w * choco[int(j[-1])].public for j, w in choco[1]._weights.items())
+    np.testing.assert_allclose(choco[1]._sum, expected, rtol=1e-5, atol=1e-5)
+    assert consensus_distance(vectors) < 1e-4
+
+
+class SendsFullCopiesTwice:
+    """A node's endpoint that sends each full copy again after its third update since, as a
+    second answer that those updates overtook would come."""
+
+    def __init__(self, peer: Any) -> None:
+        self._peer = peer
+        self._again: list[tuple[Any, ...]] = []  # (updates to wait for, the copy's send)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def send(self, to: str, kind: str, round: int, tensors: Any = (), meta: Any = None) -> None:
+        self._peer.send(to, kind, round, tensors, meta)
+        if kind == "choco_full":
+            self._again.append((3, (to, kind, round, tensors, meta)))
+        elif kind == "choco":
+            waiting = [(n - (copy[0] == to), copy) for n, copy in self._again]
+            self._again = [(n, copy) for n, copy in waiting if n]
+            for _, copy in [(n, copy) for n, copy in waiting if not n]:
+                self._peer.send(*copy)
+
+
+@pytest.mark.parametrize("gamma", [None, 1.0])
+def test_a_full_copy_older_than_the_replica_is_ignored(gamma: float | None) -> None:
+    """node-2's round-5 update to node-1 is lost; node-1 asks for node-2's full copy, and
+    gets it again three updates later: the second, older than what node-1 holds, is ignored
+    (neither the sum nor the replica goes back to it) and the mesh reaches one model."""
+    network = MemoryNetwork()
+    peers: list[Any] = [
+        network.join("node-0"),
+        network.join("node-1"),
+        SendsFullCopiesTwice(LosesOneUpdate(network.join("node-2"))),
+    ]
+    vectors = [vector(seed, 300) for seed in range(3)]
+    choco = [
+        CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"), gamma=gamma)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    run_together((lambda c=c: [c.after_step() for _ in range(20)]) for c in choco)
+    assert [c.sum_restarts for c in choco] == ([0, 1, 0] if gamma is None else [0, 0, 0])
+    assert choco[2].full_copies_sent == 1 and choco[1].dropped["choco_stale_copy"] == 1
+    assert consensus_distance(vectors) < 1e-4
+
+
 @pytest.mark.parametrize("gamma", [None, 1.0])
 def test_choco_holds_its_neighbours_copies_as_one_sum_where_every_pair_mixes_at_gamma_1(
     gamma: float | None,
@@ -530,25 +619,50 @@ def test_choco_holds_its_neighbours_copies_as_one_sum_where_every_pair_mixes_at_
     assert consensus_distance(vectors) < 1e-4
 
 
-def test_choco_starts_its_sum_again_when_a_neighbour_leaves() -> None:
-    """A ring of 4 at the default γ; node-3 leaves after round 9. Its two neighbours cannot
-    take its copy out of their sums: they start them again from their new neighbours' copies
-    (node-1's row is unchanged, 1/3 each on a ring of 3 as of 4), and the three reach one model."""
+class DeclaresDeadMidRound:
+    """node-0's endpoint on which node-3 is declared dead between round 10's row and the wait
+    for it (from round 11 on node-3 is gone for every node)."""
+
+    def __init__(self, peer: MemoryPeer) -> None:
+        self._peer = peer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def members(self, round: int | None = None) -> frozenset[str]:
+        members = self._peer.members(round)
+        if round == 10 and sys._getframe(1).f_code.co_name == "_gather":
+            return members - {"node-3"}
+        return members
+
+
+@pytest.mark.parametrize("dies_mid_round", [False, True], ids=["leaves", "declared dead mid-round"])
+def test_choco_starts_its_sum_again_when_a_neighbour_leaves(dies_mid_round: bool) -> None:
+    """A ring of 4 at the default γ; node-3 leaves after round 9, or node-0 learns it died
+    after making round 10's row (its share then stays in node-0's sum for that round and goes
+    out with round 11's row). Its two neighbours cannot take its copy out of their sums: they
+    start them again from their new neighbours' copies (node-1's row is unchanged, 1/3 each on
+    a ring of 3 as of 4), and the three reach one model."""
     network = MemoryNetwork()
-    peers = [network.join(f"node-{i}") for i in range(4)]
-    network.leave("node-3", after_round=9)
+    peers: list[Any] = [network.join(f"node-{i}") for i in range(4)]
+    last = 10 if dies_mid_round else 9
+    if dies_mid_round:
+        peers[0] = DeclaresDeadMidRound(peers[0])
+    network.leave("node-3", after_round=last)
     vectors = [vector(seed, 400) for seed in range(4)]
     choco = [
         CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"))
         for p, v in zip(peers, vectors, strict=True)
     ]
-    rounds = [40, 40, 40, 10]
+    rounds = [40, 40, 40, last + 1]
     run_together(
         (lambda c=c, n=n: [c.after_step() for _ in range(n)]) for c, n in zip(choco, rounds, strict=True)
     )
     assert [c.sum_restarts for c in choco[:3]] == [1, 0, 1]
     assert choco[0]._weights.keys() == {"node-1", "node-2"}
     assert all(r.value is choco[0]._sum for r in choco[0]._replicas.values())
+    expected = sum(w * choco[int(j[-1])].public for j, w in choco[0]._weights.items())
+    np.testing.assert_allclose(choco[0]._sum, expected, rtol=1e-5, atol=1e-5)
     assert consensus_distance(vectors[:3]) < 1e-4 and np.isfinite(vectors[0]).all()
 
 

@@ -29,7 +29,9 @@ Every holder must receive every q of its sender, so CHOCO runs on static undirec
 Where every pair mixes at γ = 1 (a dense codec, γ left to its default: the paper's
 memory-efficient form), a node holds its neighbours' public copies as one sum
 s_i = Σ_j w_ij x̂_j, each q added into it by its weight, and mixes x_i += s_i - Σ_j w_ij x̂_i:
-two vectors (x̂_i and s_i) whatever the degree, where a replica each holds 1 + degree. What the
+two vectors (x̂_i and s_i) whatever the degree, where a replica each holds 1 + degree (beside
+them: a window of each stream, and after a restart the q's kept whole until the full copies
+come). What the
 sum cannot do is take one neighbour out: it starts again from every neighbour's public copy when
 one leaves the row or changes its weight, when one's q's show a gap, and when it turns
 non-finite (``sum_restarts``); and it mixes a late neighbour at the version it has reached,
@@ -62,17 +64,25 @@ in pinned memory, ``gossip.buffers.arrays.to_host``) and back (``to_device``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs, RoundStats
-from gossip.algorithms.choco_replicas import MAX_PENDING, Assembly, Replica, Streaming, Update, finite, owned
-from gossip.algorithms.choco_step import StepSize, choco_step
+from gossip.algorithms.choco_replicas import (
+    MAX_PENDING,
+    STREAM_IDLE_ROUND_TIMEOUTS,
+    Assembly,
+    Replica,
+    Streaming,
+    Update,
+    owned,
+)
+from gossip.algorithms.choco_step import StepSize, read_step
 from gossip.algorithms.pace import pace_option
 from gossip.buffers.arrays import Array, array_module, to_device, to_host
-from gossip.buffers.vector import add_scaled, squared_distance
+from gossip.buffers.vector import add_scaled, all_finite, squared_distance
 from gossip.compression import Codec, CodecError, Encoded, Sparse, StreamedDecode
 from gossip.messages import CHOCO_FULL, CHOCO_FULL_REQUEST, CHOCO_UPDATE, ChocoStep
 from gossip.network import Envelope, PeerNetwork
@@ -126,12 +136,12 @@ class CHOCO(Averager):
         self._weights: Mapping[str, float] = {}  # the row the sum is weighed by
         self.sum_restarts = 0
         # q's taken piece by piece (the sum's): each neighbour's being added, or put together
-        # whole, and pieces that wait for their turn (a window of each stream: credit bounds it)
+        # whole, and pieces that wait for their turn (a window of each stream: credit bounds
+        # it; a stream whose pieces stop is dropped, _drop_stalled_streams)
         peer.take_pieces(self.piece_kinds({"codec": codec, "gamma": gamma}))
         self._streaming: dict[str, Streaming] = {}
         self._assembling: dict[str, Assembly] = {}
         self._held: list[tuple[Envelope, float]] = []
-        self._held_keys: set[tuple[str, int]] = set()
         self._releasing = False
         self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
@@ -191,12 +201,16 @@ class CHOCO(Averager):
         """Go on from round ``r``: the public copy, unchanged by the rounds skipped, goes to the
         holders of its replicas as that of round r - 1, so the q of round r follows on."""
         self.round = r
-        meta = ChocoStep(self._published_gamma, since=self._published).encode()
+        copy, meta = self._full_copy()
         self._published = r - 1
-        copy = to_host([self.public.copy()])
         for target in self._row(r).send_to:
             self.peer.send(target, CHOCO_FULL, self._published, copy, meta)
             self.full_copies_sent += 1
+
+    def _full_copy(self) -> tuple[list[Array], dict[str, Any]]:
+        """This node's public copy to send, and its meta: γ, and the round of its last q."""
+        meta = ChocoStep(self._published_gamma, since=self._published).encode()
+        return to_host([self.public.copy()]), meta
 
     def restart(self, round: int) -> None:
         super().restart(round)
@@ -222,8 +236,11 @@ class CHOCO(Averager):
         returns the neighbours waited for."""
         members = self.peer.members(r)
         if self._sum is not None:
-            self._weigh_sum(row.receive_from)
-        for gone in self._replicas.keys() - members:  # (one that left after round r still mixes in it)
+            self._weigh_sum(row.receive_from)  # (a neighbour that left the row restarts the sum)
+            self._drop_stalled_streams()
+        # a member that left after round r still mixes in it; one that died since the row was
+        # made stays in it for this round (its share of the sum goes out with the next row's)
+        for gone in self._replicas.keys() - members - row.receive_from.keys():
             del self._replicas[gone]
             self._assembling.pop(gone, None)
         self._release_held()
@@ -247,7 +264,7 @@ class CHOCO(Averager):
         if message.kind == CHOCO_FULL_REQUEST:
             self._send_full_copy(sender)
             return
-        step = choco_step(message.meta)
+        step = read_step(message.meta)
         if step is None:
             self.rejected["choco_gamma"] += 1
             return
@@ -256,6 +273,9 @@ class CHOCO(Averager):
             if self._valid(message, self.vector_layout):
                 self._heard_from(sender)
                 replica = self._replicas.setdefault(sender, Replica())
+                if replica.value is not None and message.round < replica.next_round:
+                    self.dropped["choco_stale_copy"] += 1  # (a second answer, or one overtaken)
+                    return
                 if not self._start(sender, replica, message.tensors[0], step.since):
                     return
                 replica.next_round, replica.gamma = message.round + 1, gamma
@@ -268,21 +288,25 @@ class CHOCO(Averager):
                 self._arrived(message)
             self._route_piece(message, gamma)
             return
-        try:
-            codec = self.codec.for_message(message.meta)
-            frames = to_device(message.tensors, self.params)
-            codec.check(frames, message.meta, self.params.size)
-        except CodecError as exc:
-            self.rejected[exc.reason] += 1
-            return
         self._arrived(message)
-        self._keep(message, Update(codec, frames, message.meta, gamma))
+        self._keep_whole(message, message.tensors, gamma)
 
     def _arrived(self, message: Envelope) -> None:
         """A neighbour's q began to arrive."""
         self._heard_from(message.sender)
         self.pace.arrived(message.sender, message.round, self.peer.now())
         self.staleness.add(max(0, self.round - message.round))  # late q's still count in full
+
+    def _keep_whole(self, message: Envelope, frames: Sequence[Array], gamma: float) -> None:
+        """Check a neighbour's whole q (``frames``, as it came or put together) and keep it."""
+        try:
+            codec = self.codec.for_message(message.meta)
+            checked = to_device(frames, self.params)
+            codec.check(checked, message.meta, self.params.size)
+        except CodecError as exc:
+            self.rejected[exc.reason] += 1
+            return
+        self._keep(message, Update(codec, checked, message.meta, gamma))
 
     def _keep(self, message: Envelope, update: Update) -> None:
         """Keep a neighbour's checked q, whole, until its replica takes it in."""
@@ -313,10 +337,11 @@ class CHOCO(Averager):
     # -- q's piece by piece --------------------------------------------------------------------
 
     def _route_piece(self, message: Envelope, gamma: float) -> None:
-        """A piece of a neighbour's q: added to the sum as it comes where the q is its started
-        replica's next and of a round this node has reached; held where it follows a q still
-        coming or is of a round ahead; else put together whole and kept (a replica that waits
-        for its full copy, a gap)."""
+        """A piece of a neighbour's q: added to the sum in order as it comes where the q is
+        its started replica's next and of a round this node has reached; held where it follows
+        a q still coming, is of a round ahead, or comes before pieces it follows (a q spread
+        over several connections, ``--streams``, comes in any order); else put together whole
+        and kept (a replica that waits for its full copy, a gap)."""
         sender, round = message.sender, message.round
         assert message.piece is not None
         if (streaming := self._streaming.get(sender)) is not None and streaming.round == round:
@@ -325,17 +350,14 @@ class CHOCO(Averager):
         if (assembly := self._assembling.get(sender)) is not None and assembly.round == round:
             self._assemble(message, assembly)
             return
-        if (sender, round) in self._held_keys:
-            self._hold(message, gamma)
-            return
-        if message.piece.offset:  # (the rest of a q dropped when the sum started again)
-            self.dropped["choco_piece"] += 1
-            return
         replica = self._replicas.setdefault(sender, Replica())
         if round < replica.next_round:
             return  # already in the full copy this replica started from
         if round > self.round + MAX_PENDING:
             self.dropped["choco_ahead"] += 1
+            return
+        if message.piece.offset:  # (ahead of its q's first piece, over another connection)
+            self._hold(message, gamma)
             return
         if replica.value is None and replica.next_round == round == 0:
             self._start_at_zero(sender, replica)  # (x̂⁰ = 0)
@@ -350,7 +372,7 @@ class CHOCO(Averager):
                 except CodecError as exc:
                     self.rejected[exc.reason] += 1
                     return
-                self._streaming[sender] = streaming = Streaming(round, decode, gamma)
+                self._streaming[sender] = streaming = Streaming(round, decode, gamma, self.peer.now())
                 self._stream(message, streaming)
                 return
         total = sum(nbytes for _, _, nbytes in message.piece.specs)
@@ -363,6 +385,10 @@ class CHOCO(Averager):
         sender = message.sender
         assert message.piece is not None
         offset = message.piece.offset
+        if offset != streaming.decode.received:  # (ahead of its turn, over another connection)
+            self._hold(message, streaming.gamma)
+            return
+        streaming.heard = self.peer.now()
         try:
             for part in message.tensors:
                 streaming.decode.feed(part, offset)
@@ -377,36 +403,28 @@ class CHOCO(Averager):
             replica.next_round, replica.gamma = streaming.round + 1, streaming.gamma
             self._accepted(message)
             self._catch_up(sender, replica, self.round)
-            self._release_held()
+        self._release_held()
 
     def _assemble(self, message: Envelope, assembly: Assembly) -> None:
         sender = message.sender
         assert message.piece is not None
         offset = message.piece.offset
-        for part in message.tensors:
-            fits = offset == assembly.received and offset + part.size <= assembly.payload.size
-            if not fits or part.dtype != np.uint8:
+        for part in message.tensors:  # (in any order: the transport checked they tile the q)
+            if offset + part.size > assembly.payload.size or part.dtype != np.uint8:
                 self.rejected["piece_order"] += 1
                 del self._assembling[sender]
                 return
             assembly.payload[offset : offset + part.size] = part
-            offset = assembly.received = offset + part.size
+            offset += part.size
+            assembly.received += part.size
         if assembly.received < assembly.payload.size:
             return
         del self._assembling[sender]
-        try:
-            codec = self.codec.for_message(message.meta)
-            frames = to_device(assembly.frames(), self.params)
-            codec.check(frames, message.meta, self.params.size)
-        except CodecError as exc:
-            self.rejected[exc.reason] += 1
-            return
-        self._keep(message, Update(codec, frames, message.meta, assembly.gamma))
+        self._keep_whole(message, assembly.frames(), assembly.gamma)
 
     def _hold(self, message: Envelope, gamma: float) -> None:
-        """Keep a piece for its turn (the rest of its q follows it here)."""
+        """Keep a piece for its turn."""
         self._held.append((message, gamma))
-        self._held_keys.add((message.sender, message.round))
 
     def _release_held(self) -> None:
         """Route the held pieces again, in the order they came, until none moves on."""
@@ -415,7 +433,7 @@ class CHOCO(Averager):
         self._releasing = True
         try:
             while self._held:
-                held, self._held, self._held_keys = self._held, [], set()
+                held, self._held = self._held, []
                 for message, gamma in held:
                     self._route_piece(message, gamma)
                 if len(self._held) == len(held):
@@ -451,8 +469,8 @@ class CHOCO(Averager):
     def _weigh_sum(self, weights: Mapping[str, float]) -> None:
         """Weigh the sum by this round's row: started afresh when a neighbour in it left the
         row or changed its weight (a member left, the graph was rebuilt)."""
-        held = {j: replica.weight for j, replica in self._replicas.items() if replica.value is not None}
-        if any(weights.get(j) != weight for j, weight in held.items()):
+        started = {j: replica.weight for j, replica in self._replicas.items() if replica.value is not None}
+        if any(weights.get(j) != weight for j, weight in started.items()):
             self._restart_sum()
         self._weights = weights
 
@@ -465,8 +483,16 @@ class CHOCO(Averager):
             replica.value = None
         self._streaming.clear()  # (their pieces to come are dropped: the full copies hold them)
         self._held.clear()
-        self._held_keys.clear()
         self.sum_restarts += counted
+
+    def _drop_stalled_streams(self) -> None:
+        """A q whose pieces stopped coming (its connection closed mid-stream) is part in the
+        sum and will not end: the sum starts again."""
+        now = self.peer.now()
+        if any(now - streaming.heard > STREAM_IDLE_ROUND_TIMEOUTS * self.round_timeout
+               for streaming in self._streaming.values()):  # fmt: skip
+            self.dropped["choco_stream_cut"] += 1
+            self._restart_sum()
 
     def _send_full_copy(self, to: str) -> None:
         """Answer a request for our public copy: a member's, at most once per half round
@@ -483,8 +509,7 @@ class CHOCO(Averager):
             self.dropped["full_copy_request"] += 1
             return
         self._full_copy_sent_at[to] = now
-        meta = ChocoStep(self._published_gamma, since=self._published).encode()
-        self.peer.send(to, CHOCO_FULL, self._published, to_host([self.public.copy()]), meta)
+        self.peer.send(to, CHOCO_FULL, self._published, *self._full_copy())
         self.full_copies_sent += 1
 
     def _ask_full_copy(self, node: str, replica: Replica) -> None:
@@ -505,7 +530,9 @@ class CHOCO(Averager):
         every node runs the default), age that of the oldest: the sum cannot discount one
         neighbour alone. Waiting for every neighbour (``stragglers=wait``), a round in which
         one is late mixes nothing."""
-        started = {j for j in row.receive_from if (held := self._replicas.get(j)) and held.value is not None}
+        started = {
+            j for j in row.receive_from if (replica := self._replicas.get(j)) and replica.value is not None
+        }
         oldest = max([0, *(r + 1 - self._replicas[j].next_round for j in started)])  # (a copy may be ahead)
         if oldest and not self.pace.tolerate:
             return set()
@@ -524,8 +551,8 @@ class CHOCO(Averager):
                 part *= gamma
             with np.errstate(over="ignore"):  # an overflow is what the check below catches
                 part += self.params[lo:hi]
-            if not finite(part):  # a diverged neighbour's q's, finite but past float32 once mixed:
-                self.rejected["non_finite"] += 1  # the chunks before this one stay mixed
+            if not all_finite(part):  # a diverged neighbour's q's, finite but past float32 once mixed:
+                self.rejected["non_finite"] += 1  # the blocks before this one stay mixed
                 self._restart_sum()
                 return set()
             self.params[lo:hi] = part

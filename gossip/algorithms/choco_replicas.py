@@ -19,6 +19,9 @@ from gossip.compression import Codec, StreamedDecode
 # q's kept for a replica waiting for its full copy (beyond that, ask again), and how many rounds
 # ahead of this node a q may be: a neighbour holds at most MAX_PENDING + 1 of them here
 MAX_PENDING = 64
+# a q none of whose pieces came for this many round timeouts was cut off (10 s at the default,
+# when the transport forgets a stream that idle)
+STREAM_IDLE_ROUND_TIMEOUTS = 5
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Streaming:
     round: int
     decode: StreamedDecode
     gamma: float
+    heard: float  # when its last piece came (peer.now() s)
 
 
 @dataclass
@@ -53,11 +57,10 @@ class Assembly:
     received: int = 0
 
     def frames(self) -> list[np.ndarray]:
-        ends = itertools.accumulate(nbytes for _, _, nbytes in self.specs)
         starts = [0, *itertools.accumulate(nbytes for _, _, nbytes in self.specs)]
         return [
             self.payload[lo:hi].view(dtype).reshape(shape)
-            for (dtype, shape, _), lo, hi in zip(self.specs, starts, ends, strict=False)
+            for (dtype, shape, _), lo, hi in zip(self.specs, starts[:-1], starts[1:], strict=True)
         ]
 
 
@@ -84,7 +87,7 @@ class Replica:
                 q.codec.add_decoded(self.value, q.frames, q.meta, self.weight)
                 self.gamma = q.gamma
                 self.next_round += 1
-        if self.next_round == start or finite(self.value):
+        if self.next_round == start or all_finite(self.value):
             return True
         self.value = None
         return False
@@ -102,11 +105,3 @@ def owned(value: Array, like: Array) -> Array:
     if isinstance(value, type(like)) and value.dtype == like.dtype and value.flags.writeable:
         return value
     return xp.array(value, dtype=like.dtype)
-
-
-def finite(value: Array) -> bool:
-    return (
-        all_finite(value)
-        if isinstance(value, np.ndarray)
-        else bool(array_module(value).isfinite(value).all())
-    )

@@ -58,7 +58,7 @@ class StepSize:
         return self.value
 
 
-def choco_step(meta: Mapping[str, Any]) -> ChocoStep | None:
+def read_step(meta: Mapping[str, Any]) -> ChocoStep | None:
     """The sender's step a q or full copy names; None if it names no valid γ."""
     try:
         step = ChocoStep.decode(meta)

@@ -202,7 +202,7 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
     def piece_kinds(self, robust: RobustRule | None = None, codec: Codec | None = None) -> tuple[str, ...]:
         """The kinds its averager, built with ``robust`` and ``codec``, takes piece by piece
         (see ``Averager.piece_kinds``)."""
-        return self.family.averager.piece_kinds(self._build_options(codec, robust))
+        return self.family.averager.piece_kinds(self._build_options(robust, codec))
 
     def check(
         self,
@@ -272,10 +272,10 @@ class Algorithm(Spec, what="algorithm", choices=_CHOICES):
             round_timeout=round_timeout,
             lock=lock,
             layout=layout,
-            **self._build_options(codec, robust),
+            **self._build_options(robust, codec),
         )
 
-    def _build_options(self, codec: Codec | None, robust: RobustRule | None) -> dict[str, Any]:
+    def _build_options(self, robust: RobustRule | None, codec: Codec | None) -> dict[str, Any]:
         """The averager's keyword arguments beyond the common ones."""
         options = self._averager_options()
         if self.family.averager.needs.compression:

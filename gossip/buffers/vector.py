@@ -43,10 +43,11 @@ def dtype_named(name: str) -> np.dtype:
     return bfloat16
 
 
-def all_finite(array: np.ndarray) -> bool:
-    """True when no element is NaN or infinite."""
+def all_finite(array: Array) -> bool:
+    """True when no element is NaN or infinite (chunk by chunk, numpy or cupy alike)."""
+    xp = array_module(array)
     flat = array.reshape(-1)
-    return all(bool(np.isfinite(flat[i : i + CHUNK]).all()) for i in range(0, flat.size, CHUNK))
+    return all(bool(xp.isfinite(flat[i : i + CHUNK]).all()) for i in range(0, flat.size, CHUNK))
 
 
 def squared_distance(a: Array, b: Array) -> float:
