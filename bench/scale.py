@@ -10,6 +10,10 @@ For each model size (a wide MLP of linear layers in ``--dtype``), ``--nodes`` pr
   theirs received (PULL, ``copy=False``), the three averaged with numpy in place once the sends
   have left. It moves D-PSGD's bytes through the same transport with nothing else: what the
   transport and the mix cost on their own.
+- ``tcp-ring``: the same round over plain TCP sockets (one connection each way per neighbour,
+  ``sendall`` from the vector and ``recv_into`` two buffers kept round after round, a thread
+  per direction, the mix as above): what a ring of Python processes costs on this machine with
+  no message layer at all, the floor under both.
 - a gossip arm (``dpsgd``: D-PSGD on a ring; ``sgp``, ``adpsgd``, ``choco-int8``): every process
   a real node (``gossipmesh.connect``, ZeroMQ, --insecure) and a ``GossipOptimizer`` around SGD
   with zero gradients: seconds per ``step()``, which for the synchronous algorithms is one round
@@ -22,7 +26,7 @@ peak is reset once the model and the local optimizer are built, before the node 
 allreduce's group is), against the model's bytes.
 
     python bench/scale.py [--params 10M,100M,1B] [--dtype float32|bfloat16] [--nodes 4] [--rounds 8]
-                          [--arms allreduce,dpsgd,...] [--mix-in-place]
+                          [--arms allreduce,tcp-ring,dpsgd,...] [--mix-in-place]
 
 ``--mix-in-place``: the gossip arms mix in the model's own memory and dtype (a bfloat16 model's
 float32 copy, twice its bytes, is what keeps four 1B-parameter nodes from fitting in 24 GiB).
@@ -34,9 +38,11 @@ import argparse
 import json
 import logging
 import multiprocessing
+import socket
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -109,6 +115,10 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
         base = reset_peak()
         vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
         one_round, sent = _zmq_ring(vector, rank, nodes, ports)
+    elif arm == "tcp-ring":
+        base = reset_peak()
+        vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        one_round, sent = _tcp_ring(vector, rank, nodes, ports)
     else:
         flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": str(nodes),
                  "id": f"node-{rank}", **({"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}),
@@ -153,7 +163,7 @@ def _zmq_ring(
     inbox = context.socket(zmq.PULL)
     inbox.bind(f"tcp://127.0.0.1:{ports[rank]}")
     outboxes = []
-    for neighbour in sorted({(rank - 1) % nodes, (rank + 1) % nodes} - {rank}):
+    for neighbour in _ring_neighbours(rank, nodes):
         outbox = context.socket(zmq.PUSH)
         outbox.connect(f"tcp://127.0.0.1:{ports[neighbour]}")
         outboxes.append(outbox)
@@ -178,6 +188,69 @@ def _zmq_ring(
         state["round"] += 1
 
     return one_round, lambda: state["sent"]
+
+
+def _ring_neighbours(rank: int, nodes: int) -> list[int]:
+    return sorted({(rank - 1) % nodes, (rank + 1) % nodes} - {rank})
+
+
+def _tcp_ring(
+    vector: np.ndarray, rank: int, nodes: int, ports: list[int]
+) -> tuple[Callable[[], None], Callable[[], int]]:
+    """One round and the bytes sent so far of the plain-socket ring arm (the module docstring)."""
+    neighbours = _ring_neighbours(rank, nodes)
+    listener = socket.create_server(("127.0.0.1", ports[rank]), backlog=len(neighbours))
+    outgoing = [_connect(ports[neighbour], rank) for neighbour in neighbours]
+    incoming = []
+    for _ in neighbours:
+        connection, _ = listener.accept()
+        incoming.append(connection)
+        _receive_into(connection, memoryview(bytearray(8)))  # (the sender's rank: not needed)
+    listener.close()
+    received = [np.empty_like(vector) for _ in neighbours]
+    workers = ThreadPoolExecutor(len(outgoing) + len(incoming))
+    state = {"sent": 0}
+
+    def one_round() -> None:
+        payload = memoryview(vector).cast("B")
+        transfers = [workers.submit(connection.sendall, payload) for connection in outgoing]
+        transfers += [
+            workers.submit(_receive_into, connection, memoryview(buffer).cast("B"))
+            for connection, buffer in zip(incoming, received, strict=True)
+        ]
+        for transfer in transfers:
+            transfer.result()  # (the sends have left the vector: it is written below)
+        state["sent"] += len(outgoing) * vector.nbytes
+        for buffer in received:
+            np.add(vector, buffer, out=vector)
+        np.divide(vector, len(received) + 1, out=vector)
+
+    return one_round, lambda: state["sent"]
+
+
+def _connect(port: int, rank: int) -> socket.socket:
+    """A connection to the neighbour listening on ``port`` (it may not listen yet), which first
+    says who connects."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            connection = socket.create_connection(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection.sendall(rank.to_bytes(8, "little"))
+        return connection
+
+
+def _receive_into(connection: socket.socket, buffer: memoryview) -> None:
+    while buffer:
+        got = connection.recv_into(buffer)
+        if not got:
+            raise ConnectionError("a ring neighbour closed its connection")
+        buffer = buffer[got:]
 
 
 def run_arm(
@@ -223,7 +296,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4, help="processes (default: 4)")
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per arm (default: 8)")
     parser.add_argument(
-        "--arms", default="allreduce,zmq-ring,dpsgd,sgp,adpsgd,choco-int8", help="arms, in order"
+        "--arms",
+        default="allreduce,tcp-ring,zmq-ring,dpsgd,sgp,adpsgd,choco-int8",
+        help="arms, in order",
     )
     parser.add_argument(
         "--mix-in-place", action="store_true", help="gossip arms mix in the model's memory and dtype"
