@@ -88,6 +88,26 @@ def test_int8_error_is_within_half_a_step_of_its_block_scale() -> None:
     assert not decoded[:INT8_BLOCK].any()
 
 
+def test_int8_scales_are_each_blocks_largest_magnitude_over_127() -> None:
+    """Whatever its sign, size or zeros' signs; a NaN or an infinity is refused."""
+    x = vector()
+    x[:INT8_BLOCK] = -0.0
+    x[INT8_BLOCK : 2 * INT8_BLOCK] = np.float32(1e-42)  # (subnormal)
+    x[2 * INT8_BLOCK + 3] = -1e30  # (the extreme is negative)
+    scales, _ = Int8().encode(x).frames
+    blocks = -(-N // INT8_BLOCK)
+    padded = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
+    padded[:N] = x
+    expected = np.abs(padded.reshape(blocks, -1)).max(axis=1) / np.float32(127)
+    assert np.array_equal(scales.view(np.int32), expected.view(np.int32))
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[3 * INT8_BLOCK + 1] = bad
+        encoded = Int8().encode(y)
+        with pytest.raises(CodecError, match="NaN or infinite"):
+            Int8().check(encoded.frames, encoded.meta, N)
+
+
 @pytest.mark.parametrize(
     ("fraction", "form", "nbytes"), [(0.01, "segments", 4 + 100 * 6), (0.2, "bitmap", N // 8 + 2000 * 4)]
 )

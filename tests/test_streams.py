@@ -12,12 +12,34 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from helpers import HANG_S, addresses, connected, peak_memory, raw_dealer, started_transport, wait_until
+from helpers import (
+    HANG_S,
+    addresses,
+    connected,
+    full_waits,
+    peak_memory,
+    raw_dealer,
+    run_together,
+    started_transport,
+    wait_until,
+)
 
-from p2p import Transport
+from gossip import CHOCO, Codec, consensus_distance
+from p2p import Peer, Transport
 from p2p.transport.outbound import MAX_STREAMS_PER_PEER
 from p2p.transport.reassembly import MAX_STREAMS_PER_SENDER, Assembler
-from p2p.wire import MAX_CHUNK_BYTES, Chunk, Limits, Message, WireError, decode, encode, encode_chunks
+from p2p.wire import (
+    CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    Chunk,
+    Limits,
+    Message,
+    WireError,
+    decode,
+    encode,
+    encode_chunks,
+)
+from topologies import Topology
 
 
 def stream(tensors: list[np.ndarray], chunk_bytes: int, first_seq: int = 1, **fields: Any) -> list[Chunk]:
@@ -215,6 +237,39 @@ def test_streams_spread_over_several_connections_arrive_whole_and_in_turn() -> N
             assert message is not None and np.array_equal(message.tensors[0], vector)
         assert len(sender.connections) == 5 and receiver.stats.rejected == {}
         assert sender.stats.messages_sent >= 2 * len(vectors)
+
+
+def test_choco_adds_updates_spread_over_several_connections_to_its_sum() -> None:
+    """``streams=2`` between three real nodes: each CHOCO update (int8, two chunks) goes over
+    two connections, so its pieces may come in either order; every node adds every update to
+    its sum (no piece refused, no restart) and the three reach one model."""
+    size = CHUNK_BYTES + CHUNK_BYTES // 2
+    vectors = [np.random.default_rng(i).standard_normal(size).astype(np.float32) for i in range(3)]
+    listen = addresses(3)
+    peers = [Peer(f"n{i}", listen[i], listen[:1] if i else [], streams=2) for i in range(3)]
+    try:
+        for peer in peers:
+            peer.start()
+        for peer in peers:
+            peer.wait_ready(HANG_S, expect=3)
+        with full_waits():
+            nodes = [
+                CHOCO(
+                    peer,
+                    vector,
+                    topology=Topology.parse("complete"),
+                    codec=Codec.parse("int8"),
+                    stragglers="wait",
+                    round_timeout=30,  # (an update of 6 MB: a refused piece costs a round this)
+                )
+                for peer, vector in zip(peers, vectors, strict=True)
+            ]
+            run_together((lambda n=n: [n.after_step() for _ in range(20)]) for n in nodes)
+    finally:
+        for peer in peers:
+            peer.close()
+    assert [(n.sum_restarts, dict(n.rejected)) for n in nodes] == [(0, {})] * 3
+    assert consensus_distance(vectors) < 1e-4
 
 
 def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_refused() -> None:
