@@ -311,11 +311,7 @@ class CHOCO(Averager):
     def _keep(self, message: Envelope, update: Update) -> None:
         """Keep a neighbour's checked q, whole, until its replica takes it in."""
         sender = message.sender
-        replica = self._replicas.setdefault(sender, Replica())
-        if message.round < replica.next_round:
-            return  # already in the full copy this replica started from
-        if message.round > self.round + MAX_PENDING:
-            self.dropped["choco_ahead"] += 1  # it would wait for rounds this node is far from
+        if (replica := self._replica_for(sender, message.round)) is None:
             return
         replica.pending[message.round] = update
         self._accepted(message)
@@ -325,6 +321,17 @@ class CHOCO(Averager):
                 replica.pending.clear()
             if self._sum is None or sender in self._weights:  # (the sum keeps neighbours only)
                 self._ask_full_copy(sender, replica)
+
+    def _replica_for(self, sender: str, round: int) -> Replica | None:
+        """``sender``'s replica, where its q of ``round`` is still to go in: None where the full
+        copy it started from holds that q, or the q is too far ahead (counted)."""
+        replica = self._replicas.setdefault(sender, Replica())
+        if round < replica.next_round:
+            return None
+        if round > self.round + MAX_PENDING:
+            self.dropped["choco_ahead"] += 1  # it would wait for rounds this node is far from
+            return None
+        return replica
 
     def _catch_up(self, sender: str, replica: Replica, upto: int) -> None:
         if replica.value is None and replica.next_round == 0 and 0 in replica.pending:
@@ -350,11 +357,7 @@ class CHOCO(Averager):
         if (assembly := self._assembling.get(sender)) is not None and assembly.round == round:
             self._assemble(message, assembly)
             return
-        replica = self._replicas.setdefault(sender, Replica())
-        if round < replica.next_round:
-            return  # already in the full copy this replica started from
-        if round > self.round + MAX_PENDING:
-            self.dropped["choco_ahead"] += 1
+        if (replica := self._replica_for(sender, round)) is None:
             return
         if message.piece.offset:  # (ahead of its q's first piece, over another connection)
             self._hold(message, gamma)
