@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import average_in_threads, run_together
+from helpers import average_in_threads, full_waits, run_together
 
 from gossip import (
     CHOCO,
@@ -469,9 +469,10 @@ class StreamsUpdates:
 def test_choco_adds_updates_to_its_sum_as_their_pieces_arrive(stragglers: str, reverse: bool) -> None:
     """A ring of 4 whose updates come piece by piece (three pieces of 1 KB each), in order or
     last first (a stream spread over several connections, ``--streams``, comes in any order):
-    the same models as whole updates give, waiting for every neighbour (the int8 values scaled
-    by a pair's weight round differently), and the mean kept and reached either way; no update
-    is held whole."""
+    waiting for every neighbour, the same models as whole updates give (the int8 values scaled
+    by a pair's weight round differently) and the mean kept; either way one model reached and no
+    update held whole. (Tolerating stragglers, a node a busy machine delays is mixed at an older
+    round, which moves the mean: the CHOCO docstring.)"""
     results = []
     for streamed in (False, True):
         network = MemoryNetwork()
@@ -480,12 +481,14 @@ def test_choco_adds_updates_to_its_sum_as_their_pieces_arrive(stragglers: str, r
             peers = [StreamsUpdates(p, reverse=reverse) for p in peers]
         vectors = [vector(seed, 2500) for seed in range(4)]
         target = np.mean(vectors, axis=0)
-        choco = [
-            CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"), stragglers=stragglers)
-            for p, v in zip(peers, vectors, strict=True)
-        ]
-        run_together((lambda c=c: [c.after_step() for _ in range(30)]) for c in choco)
-        np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-2)
+        with full_waits():  # (waiting, a busy machine must not make a node give up on one)
+            choco = [
+                CHOCO(p, v, topology=Topology.parse("ring"), codec=Codec.parse("int8"), stragglers=stragglers)
+                for p, v in zip(peers, vectors, strict=True)
+            ]
+            run_together((lambda c=c: [c.after_step() for _ in range(30)]) for c in choco)
+        if stragglers == "wait":
+            np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-2)
         assert consensus_distance(vectors) < 1e-4
         assert all(not r.pending for c in choco for r in c._replicas.values())
         assert [(c.sum_restarts, dict(c.rejected)) for c in choco] == [(0, {})] * 4
