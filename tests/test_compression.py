@@ -518,15 +518,16 @@ def test_a_bad_piece_refuses_its_update_and_the_sum_starts_again() -> None:
     assert consensus_distance(vectors) < 1e-4 and all(np.isfinite(v).all() for v in vectors)
 
 
-def test_a_lost_streamed_update_is_repaired_with_full_copies() -> None:
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "last first"])
+def test_a_lost_streamed_update_is_repaired_with_full_copies(reverse: bool) -> None:
     """As with whole updates: node-2's round-5 update to node-1 is lost; node-1's sum starts
     again from its neighbours' full copies, the updates that come meanwhile put together whole
-    and added after them."""
+    (from pieces in whatever order they come) and added after them."""
     network = MemoryNetwork()
     peers: list[Any] = [
-        StreamsUpdates(network.join("node-0")),
-        StreamsUpdates(network.join("node-1")),
-        LosesOneUpdate(StreamsUpdates(network.join("node-2"))),
+        StreamsUpdates(network.join("node-0"), reverse=reverse),
+        StreamsUpdates(network.join("node-1"), reverse=reverse),
+        LosesOneUpdate(StreamsUpdates(network.join("node-2"), reverse=reverse)),
     ]
     vectors = [vector(seed, 2500) for seed in range(3)]
     choco = [

@@ -142,7 +142,6 @@ class CHOCO(Averager):
         self._streaming: dict[str, Streaming] = {}
         self._assembling: dict[str, Assembly] = {}
         self._held: list[tuple[Envelope, float]] = []
-        self._releasing = False
         self._full_copy_sent_at: dict[str, float] = {}  # requester -> when (peer.now() s)
         self.full_copies_sent = 0
         self.pace = pace_option(self.name, stragglers, catch_up)
@@ -287,6 +286,7 @@ class CHOCO(Averager):
             if message.piece.offset == 0:
                 self._arrived(message)
             self._route_piece(message, gamma)
+            self._release_held()  # (what it began, continued or ended may let held pieces on)
             return
         self._arrived(message)
         self._keep_whole(message, message.tensors, gamma)
@@ -406,7 +406,6 @@ class CHOCO(Averager):
             replica.next_round, replica.gamma = streaming.round + 1, streaming.gamma
             self._accepted(message)
             self._catch_up(sender, replica, self.round)
-        self._release_held()
 
     def _assemble(self, message: Envelope, assembly: Assembly) -> None:
         sender = message.sender
@@ -431,18 +430,12 @@ class CHOCO(Averager):
 
     def _release_held(self) -> None:
         """Route the held pieces again, in the order they came, until none moves on."""
-        if self._releasing:
-            return  # (a q completed while releasing: the loop below goes on)
-        self._releasing = True
-        try:
-            while self._held:
-                held, self._held = self._held, []
-                for message, gamma in held:
-                    self._route_piece(message, gamma)
-                if len(self._held) == len(held):
-                    break
-        finally:
-            self._releasing = False
+        while self._held:
+            held, self._held = self._held, []
+            for message, gamma in held:
+                self._route_piece(message, gamma)
+            if len(self._held) == len(held):
+                break
 
     def _start_at_zero(self, sender: str, replica: Replica) -> None:
         if self._sum is None:
