@@ -104,21 +104,17 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=nodes
         )
-        vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        vector = _flat(model)
 
         def one_round() -> None:
             dist.all_reduce(vector)
 
         def sent() -> int:  # a ring allreduce: reduce-scatter, then all-gather
             return 2 * (nodes - 1) * vector.numel() * itemsize // nodes
-    elif arm == "zmq-ring":
+    elif arm in ("zmq-ring", "tcp-ring"):
         base = reset_peak()
-        vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-        one_round, sent = _zmq_ring(vector, rank, nodes, ports)
-    elif arm == "tcp-ring":
-        base = reset_peak()
-        vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-        one_round, sent = _tcp_ring(vector, rank, nodes, ports)
+        ring = _zmq_ring if arm == "zmq-ring" else _tcp_ring
+        one_round, sent = ring(_flat(model).numpy(), rank, nodes, ports)
     else:
         flags = {"insecure": True, "listen": f"tcp://127.0.0.1:{ports[rank]}", "expect": str(nodes),
                  "id": f"node-{rank}", **({"bootstrap": [f"tcp://127.0.0.1:{ports[0]}"]} if rank else {}),
@@ -182,16 +178,26 @@ def _zmq_ring(
             (values if got == number else early.setdefault(got, [])).append(payload)
         for tracker in trackers:
             tracker.wait()  # the vector is written below: ZeroMQ must have let go of it
-        for payload in values:
-            np.add(vector, np.frombuffer(payload.buffer, dtype=vector.dtype), out=vector)
-        np.divide(vector, len(values) + 1, out=vector)
+        _average_in_place(vector, [np.frombuffer(payload.buffer, dtype=vector.dtype) for payload in values])
         state["round"] += 1
 
     return one_round, lambda: state["sent"]
 
 
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    """The model's parameters as one flat vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def _ring_neighbours(rank: int, nodes: int) -> list[int]:
     return sorted({(rank - 1) % nodes, (rank + 1) % nodes} - {rank})
+
+
+def _average_in_place(vector: np.ndarray, values: list[np.ndarray]) -> None:
+    """vector <- the mean of itself and ``values`` (the ring arms' mix)."""
+    for value in values:
+        np.add(vector, value, out=vector)
+    np.divide(vector, len(values) + 1, out=vector)
 
 
 def _tcp_ring(
@@ -200,12 +206,8 @@ def _tcp_ring(
     """One round and the bytes sent so far of the plain-socket ring arm (the module docstring)."""
     neighbours = _ring_neighbours(rank, nodes)
     listener = socket.create_server(("127.0.0.1", ports[rank]), backlog=len(neighbours))
-    outgoing = [_connect(ports[neighbour], rank) for neighbour in neighbours]
-    incoming = []
-    for _ in neighbours:
-        connection, _ = listener.accept()
-        incoming.append(connection)
-        _receive_into(connection, memoryview(bytearray(8)))  # (the sender's rank: not needed)
+    outgoing = [_connect(ports[neighbour]) for neighbour in neighbours]
+    incoming = [listener.accept()[0] for _ in neighbours]  # (which is whose does not matter)
     listener.close()
     received = [np.empty_like(vector) for _ in neighbours]
     workers = ThreadPoolExecutor(len(outgoing) + len(incoming))
@@ -221,16 +223,13 @@ def _tcp_ring(
         for transfer in transfers:
             transfer.result()  # (the sends have left the vector: it is written below)
         state["sent"] += len(outgoing) * vector.nbytes
-        for buffer in received:
-            np.add(vector, buffer, out=vector)
-        np.divide(vector, len(received) + 1, out=vector)
+        _average_in_place(vector, received)
 
     return one_round, lambda: state["sent"]
 
 
-def _connect(port: int, rank: int) -> socket.socket:
-    """A connection to the neighbour listening on ``port`` (it may not listen yet), which first
-    says who connects."""
+def _connect(port: int) -> socket.socket:
+    """A connection to the neighbour listening on ``port`` (it may not listen yet)."""
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -241,7 +240,6 @@ def _connect(port: int, rank: int) -> socket.socket:
             time.sleep(0.05)
             continue
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        connection.sendall(rank.to_bytes(8, "little"))
         return connection
 
 
