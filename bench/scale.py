@@ -17,7 +17,8 @@ For each model size (a wide MLP of linear layers in ``--dtype``), ``--nodes`` pr
 - a gossip arm (``dpsgd``: D-PSGD on a ring; ``sgp``, ``adpsgd``, ``choco-int8``): every process
   a real node (``gossipmesh.connect``, ZeroMQ, --insecure) and a ``GossipOptimizer`` around SGD
   with zero gradients: seconds per ``step()``, which for the synchronous algorithms is one round
-  (adpsgd's exchanges run beside the steps; its figure is a step's cost).
+  (adpsgd's exchanges run beside the steps; its figure is a step's cost, and its memory is
+  read once every node took part in ``EXCHANGES`` exchanges: its steps alone take no time).
 
 Per arm: the median round over every process's timed rounds (after warm-up), the bytes a
 process sent per timed round (at the socket; gloo's: what its ring moves, 2 (n - 1) / n of the
@@ -60,6 +61,7 @@ from p2p.address import free_ports
 
 WIDTH = 2048  # a layer of the benchmark MLP: WIDTH x WIDTH weights (4.2M parameters)
 WARMUP = 2
+EXCHANGES = 4  # AD-PSGD exchanges each node takes part in before its memory is read
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GOSSIP_ARMS = {
     "dpsgd": {"algorithm": "dpsgd", "topology": "ring"},
@@ -140,6 +142,8 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
         one_round()
         if index >= WARMUP:
             times.append(time.perf_counter() - started)
+    if arm == "adpsgd":  # its steps take no time: the peak counts once exchanges were made
+        _step_until_exchanged(optimizer, EXCHANGES)
     barrier.wait()
     sent_per_round = (sent() - sent_before) / rounds if arm != "allreduce" else sent()
     added = rss("VmHWM:") - base
@@ -149,6 +153,16 @@ def _run_arm(arm: str, rank: int, nodes: int, params: int, dtype: torch.dtype, r
         barrier.wait()  # nobody leaves while a neighbour still waits for its last round
         peer.close()
     out.send({"times": times, "added_bytes": added, "model_bytes": itemsize * size, "sent": sent_per_round})
+
+
+def _step_until_exchanged(optimizer: Any, exchanges: int) -> None:
+    """Step (untimed) until AD-PSGD's exchanger made or answered ``exchanges`` exchanges."""
+    deadline = time.monotonic() + 120
+    while optimizer.averager.exchanges < exchanges:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"adpsgd: {optimizer.averager.exchanges} exchanges in 120 s")
+        optimizer.step()
+        time.sleep(0.01)
 
 
 def _zmq_ring(

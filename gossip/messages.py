@@ -168,7 +168,7 @@ class Kind:
 
 
 PARAMS, PUSH, FINAL = "params", "push", "final"
-PAIR_REQUEST, PAIR_REPLY = "pair_request", "pair_reply"
+PAIR_REQUEST, PAIR_DIFFERENCE = "pair_request", "pair_difference"
 CHOCO_UPDATE, CHOCO_FULL_REQUEST, CHOCO_FULL = "choco", "choco_full_request", "choco_full"
 STATE_REQUEST, STATE_MANIFEST, STATE_CHUNK = "state_request", "state_manifest", "state_chunk"
 
@@ -179,7 +179,7 @@ KINDS: dict[str, Kind] = {
     PUSH: Kind(PushShare, "SGP: the sender's de-biased model z, in the vector's own layout"),
     FINAL: Kind(None, "every algorithm, once training ended: the model in its wire layout"),
     PAIR_REQUEST: Kind(Exchange, "AD-PSGD: the active node's model in the wire layout"),
-    PAIR_REPLY: Kind(Exchange, "AD-PSGD: the passive node's model from before it mixed"),
+    PAIR_DIFFERENCE: Kind(Exchange, "AD-PSGD: half the passive's model before it mixed less the request's"),
     CHOCO_UPDATE: Kind(ChocoStep, "CHOCO: the codec's frames of q = Q(x - x̂)"),
     CHOCO_FULL_REQUEST: Kind(None, "CHOCO: none (send me your public copy)"),
     CHOCO_FULL: Kind(ChocoStep, "CHOCO: the public copy x̂, float32"),

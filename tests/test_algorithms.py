@@ -14,6 +14,8 @@ from helpers import HANG_S, average_in_threads, wait_until
 from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, RobustRule, consensus_distance
 from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.pace import Pace
+from gossip.buffers import vector as vector_module
+from gossip.buffers.vector import Layout
 from gossipmesh.sim.memory import MemoryNetwork
 from topologies import SpecError, Topology
 
@@ -137,6 +139,31 @@ def test_asynchronous_exchanges_keep_every_local_step_taken_while_they_wait() ->
             averager.close()
     assert sum(a.exchanges for a in averagers) > 200  # (exchanges did overlap the steps)
     np.testing.assert_allclose(np.mean(vectors, axis=0), start_mean + steps, rtol=0, atol=1e-9)
+
+
+def test_asynchronous_exchanges_over_a_narrow_wire_keep_the_mean_to_the_vectors_rounding() -> None:
+    """Half of each model goes on the wire in bfloat16. The passive answers with half the
+    difference as sent and moves by exactly that, so the pair's sum is kept to float32's
+    rounding, not bfloat16's (an answer of the passive's model, rounded, would move the
+    mean by ~1e-3 an exchange)."""
+    peers = memory_mesh(4)
+    rng = np.random.default_rng(11)
+    vectors = [(rng.standard_normal(200) + 2.0).astype(np.float32) for _ in peers]
+    target = np.mean(np.array(vectors, dtype=np.float64), axis=0)
+    spread = consensus_distance(vectors)
+    layout = Layout(((vector_module.BFLOAT16, 100), (np.dtype(np.float32), 100)))
+    averagers = [
+        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001, layout=layout)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    try:
+        assert wait_until(lambda: sum(a.exchanges for a in averagers) >= 100)
+    finally:
+        for averager in averagers:
+            averager.close()
+    mean = np.mean(np.array(vectors, dtype=np.float64), axis=0)
+    np.testing.assert_allclose(mean, target, rtol=0, atol=2e-5)
+    assert consensus_distance(vectors) < 0.1 * spread  # (and they did average)
 
 
 def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:

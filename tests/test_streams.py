@@ -25,6 +25,8 @@ from helpers import (
 )
 
 from gossip import CHOCO, Codec, consensus_distance
+from gossip.buffers.arrays import own_memory
+from gossipmesh.sim.memory import read_only
 from p2p import Peer, Transport
 from p2p.transport.outbound import MAX_STREAMS_PER_PEER
 from p2p.transport.reassembly import MAX_STREAMS_PER_SENDER, Assembler
@@ -75,6 +77,20 @@ def test_chunks_reassemble_several_tensors_across_chunk_boundaries() -> None:
     assert message is not None and (message.kind, message.round, message.meta) == ("params", 3, {"x": 1})
     for got, sent in zip(message.tensors, tensors, strict=True):
         assert got.dtype == sent.dtype and np.array_equal(got, sent) and not got.flags.writeable
+
+
+def test_a_reader_may_write_over_a_reassembled_message_and_over_nothing_else() -> None:
+    """A large message's reassembly buffer is its own memory (an AD-PSGD passive answers from
+    it, CHOCO keeps a full copy in it); a small message's frames are ZeroMQ's and a tensor
+    handed over in memory is its sender's: those are never written."""
+    tensor = np.arange(3000, dtype=np.float32)
+    message = assemble(stream([tensor], 4000))
+    assert message is not None
+    own = own_memory(message.tensors[0])
+    assert own is message.tensors[0] and own.flags.writeable
+    small = decode(encode(kind="params", sender="a", round=3, tensors=[tensor[:10]]))
+    assert isinstance(small, Message) and own_memory(small.tensors[0]) is None
+    assert own_memory(read_only(tensor)) is None and not read_only(tensor).flags.writeable
 
 
 def test_chunk_frames_are_the_tensors_own_memory() -> None:

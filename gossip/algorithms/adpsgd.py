@@ -2,11 +2,15 @@
 
 Training never waits for communication. A background exchanger (which the network starts:
 ``PeerNetwork.start_background``, an OS thread in a mesh, a coroutine in the simulator) averages
-the model with one neighbour at a time: an *active* node sends its model to a *passive*
-neighbour, which atomically replaces its own with the mean of the two and answers with its
-model from before; the active node then moves by half the difference between the answer and
-what it sent, so the local steps it took while waiting count in full (the mean of its model
-*now* and the answer would keep half of them: the mesh would lose the other half). Nodes are
+the model with one neighbour at a time: an *active* node sends its model y to a *passive*
+neighbour, which atomically replaces its own x with the mean of the two and answers with half
+their difference, d = (x - y) / 2 (rounded to the wire's dtypes; the passive moves by exactly
+that, x - d, so the pair's sum is kept); the active node then adds d to its model *now*, so the
+local steps it took while waiting count in full (the mean of its model now and the passive's
+would keep half of them: the mesh would lose the other half). Neither side keeps a copy of its
+model for the exchange: the active's request leaves from a copy ZeroMQ frees once sent, and the
+passive writes d over the request's own reassembly buffer and answers from it, so an exchange
+adds one model's bytes to a node, not two. Nodes are
 split into actives and passives by the graph's 2-colouring (even and odd positions when it has
 none), so two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
 but keeps exchanging at the speed of the network, so its model stays with the others.
@@ -25,8 +29,9 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from gossip.algorithms.averager import Averager, AveragerOptions, Needs
-from gossip.buffers.vector import Frames
-from gossip.messages import PAIR_REPLY, PAIR_REQUEST, Exchange, PayloadError
+from gossip.buffers.arrays import own_memory
+from gossip.buffers.vector import mix_into
+from gossip.messages import PAIR_DIFFERENCE, PAIR_REQUEST, Exchange, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import pair_partner
 
@@ -39,7 +44,7 @@ class ADPSGD(Averager):
     plus ``interval_s``: the least time between two exchanges this node starts."""
 
     name: ClassVar[str] = "adpsgd"
-    kinds: ClassVar[tuple[str, ...]] = (PAIR_REQUEST, PAIR_REPLY)
+    kinds: ClassVar[tuple[str, ...]] = (PAIR_REQUEST, PAIR_DIFFERENCE)
     needs: ClassVar[Needs] = Needs(static_undirected_graph=True)  # pairs come from the 2-colouring
     mixes_in_background: ClassVar[bool] = True
 
@@ -91,8 +96,9 @@ class ADPSGD(Averager):
         """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
         exchange = next(self._exchange_ids)
         with self.lock:
-            sent = self.layout.pack(self.params, copy=True)
-        self.peer.send(partner, PAIR_REQUEST, self.round, sent, Exchange(exchange).encode())
+            request = self.layout.pack(self.params, copy=True)
+        self.peer.send(partner, PAIR_REQUEST, self.round, request, Exchange(exchange).encode())
+        del request  # (the answer is a difference: nothing of what was sent is needed again)
         deadline = self.peer.now() + self.wait_limit()
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, self.kinds)
@@ -104,7 +110,8 @@ class ADPSGD(Averager):
             elif message.sender == partner and self._exchange_of(message) == exchange:
                 if self._valid(message) and self._fresh(message.round, self.round):
                     with self.lock:
-                        self._take_half_difference(message, sent)
+                        self.layout.add_scaled(self.params, message.tensors, 1.0, self._scratch)
+                        self._count_exchange(message.round)
                 return
             else:
                 self.dropped["stale"] += 1  # the answer to an exchange already given up
@@ -118,17 +125,14 @@ class ADPSGD(Averager):
                 self._answer(message)
 
     def _answer(self, request: Envelope) -> None:
-        """The passive side: answer with our model from before, then take the mean."""
+        """The passive side: take the mean, answer with half the difference."""
         exchange = self._exchange_of(request)
         if exchange is None or not (self._valid(request) and self._fresh(request.round, self.round)):
             return
         version = self.round
         with self.lock:
-            before = self.params.copy()
-            self._take_mean(request)
-        self.peer.send(
-            request.sender, PAIR_REPLY, version, self.layout.pack(before), Exchange(exchange).encode()
-        )
+            answer = self._take_mean(request)
+        self.peer.send(request.sender, PAIR_DIFFERENCE, version, answer, Exchange(exchange).encode())
 
     def _exchange_of(self, message: Envelope) -> int | None:
         """The exchange a request or reply belongs to; None (counted) if it names none."""
@@ -138,20 +142,28 @@ class ADPSGD(Averager):
             self.rejected["bad_payload"] += 1
             return None
 
-    def _take_mean(self, message: Envelope) -> None:
-        """Replace our model with the mean of it and the message's (the caller holds the lock,
-        so the exchange is atomic)."""
-        self.layout.add_scaled(self.params, message.tensors, 1.0, self._scratch)
-        self.params *= 0.5
-        self._count_exchange(message.round)
-
-    def _take_half_difference(self, answer: Envelope, sent: Frames) -> None:
-        """The active side: x += (answer - sent) / 2, the partner's model of before mixed
-        into what we sent (as the partner mixed what we sent into its own), the local steps
-        taken since kept whole. The pair's sum is what it was (in the frames' own rounding)."""
-        self.layout.add_scaled(self.params, answer.tensors, 0.5, self._scratch)
-        self.layout.add_scaled(self.params, sent, -0.5, self._scratch)
-        self._count_exchange(answer.round)
+    def _take_mean(self, request: Envelope) -> list[np.ndarray]:
+        """x <- (x + y) / 2, with y the request's model; the answer d = (x - y) / 2 in the
+        request's dtypes, x moved by exactly d as rounded (the caller holds the lock, so the
+        exchange is atomic). d is written over the request's frames where their memory is the
+        message's own, block by block: y's block is read before d's is written."""
+        answer = [own if (own := own_memory(y)) is not None else np.empty_like(y) for y in request.tensors]
+        start = 0
+        for frame, out in zip(request.tensors, answer, strict=True):
+            for i in range(0, frame.size, self._scratch.size):
+                block = self._scratch[: min(self._scratch.size, frame.size - i)]
+                x = self.params[start + i : start + i + block.size]
+                np.copyto(block, frame[i : i + block.size], casting="same_kind")
+                np.subtract(x, block, out=block)
+                block *= 0.5
+                np.copyto(out[i : i + block.size], block, casting="same_kind")
+                if out.dtype != block.dtype:  # (x moves by d as sent)
+                    np.copyto(block, out[i : i + block.size], casting="same_kind")
+                np.negative(block, out=block)
+                mix_into(x, block)
+            start += frame.size
+        self._count_exchange(request.round)
+        return answer
 
     def _count_exchange(self, version: int) -> None:
         with self._version_lock:

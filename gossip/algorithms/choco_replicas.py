@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from gossip.buffers.arrays import Array, array_module
+from gossip.buffers.arrays import Array, array_module, own_memory
 from gossip.buffers.vector import all_finite
 from gossip.compression import Codec, StreamedDecode
 
@@ -99,9 +99,8 @@ class Replica:
 
 
 def owned(value: Array, like: Array) -> Array:
-    """``value`` (a received full copy) to keep and add to: itself where it is a writable array
-    of ``like``'s kind (a large message's reassembly buffer), else a copy."""
-    xp = array_module(like)
-    if isinstance(value, type(like)) and value.dtype == like.dtype and value.flags.writeable:
-        return value
-    return xp.array(value, dtype=like.dtype)
+    """``value`` (a received full copy) to keep and add to: itself where its memory is its own
+    and of ``like``'s kind and dtype (a large message's reassembly buffer), else a copy."""
+    if isinstance(value, type(like)) and value.dtype == like.dtype and (own := own_memory(value)) is not None:
+        return own
+    return array_module(like).array(value, dtype=like.dtype)

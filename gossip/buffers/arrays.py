@@ -34,6 +34,18 @@ def array_module(x: Array) -> ModuleType:
     return cupy if cupy is not None and isinstance(x, cupy.ndarray) else np
 
 
+def own_memory(array: Array) -> Array | None:
+    """``array``, writable, where its memory is its own and no one else's: a received message's
+    reassembly buffer (or its upload to the device), which a reader may write over instead of
+    copying. None where it is a view of another's memory (a ZeroMQ frame; a sender's tensor
+    handed over in memory, which must stay as it was)."""
+    if not array.flags.owndata:
+        return None
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = True  # (reassembly hands its buffers on read-only)
+    return array
+
+
 def from_torch(tensor: torch.Tensor) -> Array:
     """The tensor's memory as an array, no copy: numpy for a CPU tensor, cupy (through DLPack)
     for a CUDA one. Writes through either side show in the other."""
