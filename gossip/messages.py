@@ -92,7 +92,7 @@ def _shown(value: object, limit: int = 60) -> str:
 
 @dataclass(frozen=True)
 class Exchange(Payload):
-    """AD-PSGD: which exchange a request or its reply belongs to."""
+    """AD-PSGD: which exchange an ask, a turn, a request or its answer belongs to."""
 
     exchange: int
 
@@ -168,6 +168,7 @@ class Kind:
 
 
 PARAMS, PUSH, FINAL = "params", "push", "final"
+PAIR_ASK, PAIR_TURN = "pair_ask", "pair_turn"
 PAIR_REQUEST, PAIR_DIFFERENCE = "pair_request", "pair_difference"
 CHOCO_UPDATE, CHOCO_FULL_REQUEST, CHOCO_FULL = "choco", "choco_full_request", "choco_full"
 STATE_REQUEST, STATE_MANIFEST, STATE_CHUNK = "state_request", "state_manifest", "state_chunk"
@@ -178,6 +179,8 @@ KINDS: dict[str, Kind] = {
     PARAMS: Kind(None, "D-PSGD: the model's vector in its wire layout (Layout.pack)"),
     PUSH: Kind(PushShare, "SGP: the sender's de-biased model z, in the vector's own layout"),
     FINAL: Kind(None, "every algorithm, once training ended: the model in its wire layout"),
+    PAIR_ASK: Kind(Exchange, "AD-PSGD: none (an active node asks its passive partner for a turn)"),
+    PAIR_TURN: Kind(Exchange, "AD-PSGD: none (the passive's go-ahead: send your model now)"),
     PAIR_REQUEST: Kind(Exchange, "AD-PSGD: the active node's model in the wire layout"),
     PAIR_DIFFERENCE: Kind(Exchange, "AD-PSGD: half the passive's model before it mixed less the request's"),
     CHOCO_UPDATE: Kind(ChocoStep, "CHOCO: the codec's frames of q = Q(x - x̂)"),

@@ -168,6 +168,8 @@ def _valid_messages(draw: st.DrawFn) -> Input:
     if kind in ("params", "pair_request", "pair_difference", "choco_full"):
         tensors = [vector]
         meta["exchange"] = draw(ints)
+    elif kind in ("pair_ask", "pair_turn"):
+        meta["exchange"] = draw(ints)
     elif kind == "push":
         tensors = [vector, np.array([draw(st.floats())])]
     elif kind == "choco":

@@ -12,11 +12,14 @@ import pytest
 from helpers import HANG_S, average_in_threads, wait_until
 
 from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, RobustRule, consensus_distance
+from gossip.algorithms import adpsgd as adpsgd_module
 from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.pace import Pace
 from gossip.buffers import vector as vector_module
 from gossip.buffers.vector import Layout
+from gossip.messages import PAIR_REQUEST, Exchange
 from gossipmesh.sim.memory import MemoryNetwork
+from p2p.wire import Message
 from topologies import SpecError, Topology
 
 
@@ -164,6 +167,33 @@ def test_asynchronous_exchanges_over_a_narrow_wire_keep_the_mean_to_the_vectors_
     mean = np.mean(np.array(vectors, dtype=np.float64), axis=0)
     np.testing.assert_allclose(mean, target, rtol=0, atol=2e-5)
     assert consensus_distance(vectors) < 0.1 * spread  # (and they did average)
+
+
+def test_asynchronous_exchanges_of_a_large_model_take_turns_at_each_passive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above ``ASK_ABOVE_BYTES`` an active asks for a turn first and a passive answers one
+    request at a time: the mean is kept and reached as without turns, and a request sent
+    without a turn is refused, the passive's model untouched."""
+    monkeypatch.setattr(adpsgd_module, "ASK_ABOVE_BYTES", 0)  # (every model "large")
+    peers = memory_mesh(4)
+    vectors = start_vectors(4, seed=12)
+    target = np.mean(vectors, axis=0)
+    averagers = [
+        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001)
+        for p, v in zip(peers, vectors, strict=True)
+    ]
+    try:
+        assert wait_until(lambda: consensus_distance(vectors) < 1e-9)
+    finally:
+        for averager in averagers:
+            averager.close()
+    np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-12)
+    assert sum(a.dropped["pair_without_turn"] for a in averagers) == 0
+    passive = ADPSGD(memory_mesh(1)[0], own := np.ones(3), topology=Topology.parse("ring"))
+    passive.close()  # (its exchanger stopped: the request is served here)
+    passive._serve(Message(PAIR_REQUEST, "node-9", 0, (np.full(3, 5.0),), Exchange(1).encode()))
+    assert passive.dropped["pair_without_turn"] == 1 and np.array_equal(own, np.ones(3))
 
 
 def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:

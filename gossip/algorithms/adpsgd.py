@@ -10,7 +10,14 @@ local steps it took while waiting count in full (the mean of its model now and t
 would keep half of them: the mesh would lose the other half). Neither side keeps a copy of its
 model for the exchange: the active's request leaves from a copy ZeroMQ frees once sent, and the
 passive writes d over the request's own reassembly buffer and answers from it, so an exchange
-adds one model's bytes to a node, not two. Nodes are
+adds one model's bytes to a node, not two. A passive has several active neighbours; for its
+memory to hold one request at a time, an active first asks for a turn (``pair_ask``, no
+tensors) and sends its model once given one (``pair_turn``): a passive gives the next turn
+when the last request was answered and its answer has left (or after the wait limit), so
+requests never pile up in its memory, and the model an active sends is the one it has when
+its turn comes. A model of at most ``ASK_ABOVE_BYTES`` on the wire is sent without asking (two
+such requests at once cost a passive little, and the ask's round trip would slow the exchanges
+of a small model down). Nodes are
 split into actives and passives by the graph's 2-colouring (even and odd positions when it has
 none), so two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
 but keeps exchanging at the speed of the network, so its model stays with the others.
@@ -28,12 +35,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from gossip.algorithms.averager import Averager, AveragerOptions, Needs
+from gossip.algorithms.averager import SEND_POLL_S, Averager, AveragerOptions, Needs
 from gossip.buffers.arrays import own_memory
 from gossip.buffers.vector import mix_into
-from gossip.messages import PAIR_DIFFERENCE, PAIR_REQUEST, Exchange, PayloadError
+from gossip.messages import PAIR_ASK, PAIR_DIFFERENCE, PAIR_REQUEST, PAIR_TURN, Exchange, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import pair_partner
+
+#: a model larger than this on the wire (one message's worth: the transport streams larger ones)
+#: asks its passive partner for a turn before it is sent
+ASK_ABOVE_BYTES = 4 << 20
 
 if TYPE_CHECKING:  # (Python 3.11's typing; annotations are not evaluated)
     from typing import Unpack
@@ -44,7 +55,7 @@ class ADPSGD(Averager):
     plus ``interval_s``: the least time between two exchanges this node starts."""
 
     name: ClassVar[str] = "adpsgd"
-    kinds: ClassVar[tuple[str, ...]] = (PAIR_REQUEST, PAIR_DIFFERENCE)
+    kinds: ClassVar[tuple[str, ...]] = (PAIR_ASK, PAIR_TURN, PAIR_REQUEST, PAIR_DIFFERENCE)
     needs: ClassVar[Needs] = Needs(static_undirected_graph=True)  # pairs come from the 2-colouring
     mixes_in_background: ClassVar[bool] = True
 
@@ -63,6 +74,12 @@ class ADPSGD(Averager):
         self._exchange_ids = itertools.count(1)
         self._version_lock = threading.Lock()
         self._stop = threading.Event()
+        # the passive side: asks waiting for a turn (sender -> exchange, oldest first), the turn
+        # given (sender, exchange, until when), the last answer (to whom, waited for until when)
+        self._asks: dict[str, int] = {}
+        self._turn: tuple[str, int, float] | None = None
+        self._answered: tuple[str, float] | None = None
+        self._asks_first = self.layout.nbytes > ASK_ABOVE_BYTES
         self._exchanger = peer.start_background(f"adpsgd-{peer.node_id}", self._run)
 
     def after_step(self) -> None:
@@ -93,46 +110,107 @@ class ADPSGD(Averager):
             self._answer_until(self.peer.now() + (self.interval_s if partner else 0.05))
 
     def _exchange(self, partner: str) -> None:
-        """Send our model to a passive partner and mix in its answer (or give up, bounded)."""
+        """Ask a passive partner for a turn, send it our model, add the difference it answers;
+        or give up where one of them does not come within the wait limit."""
         exchange = next(self._exchange_ids)
+        if self._asks_first:
+            self.peer.send(partner, PAIR_ASK, self.round, (), Exchange(exchange).encode())
+            if self._wait_for(partner, PAIR_TURN, exchange) is None:
+                return
         with self.lock:
             request = self.layout.pack(self.params, copy=True)
         self.peer.send(partner, PAIR_REQUEST, self.round, request, Exchange(exchange).encode())
         del request  # (the answer is a difference: nothing of what was sent is needed again)
+        answer = self._wait_for(partner, PAIR_DIFFERENCE, exchange)
+        if answer is not None and self._valid(answer) and self._fresh(answer.round, self.round):
+            with self.lock:
+                self.layout.add_scaled(self.params, answer.tensors, 1.0, self._scratch)
+                self._count_exchange(answer.round)
+
+    def _wait_for(self, partner: str, kind: str, exchange: int) -> Envelope | None:
+        """``partner``'s message of ``kind`` for ``exchange``, serving the passive side meanwhile;
+        None if it left, or if nothing came within the wait limit (it is then probed)."""
         deadline = self.peer.now() + self.wait_limit()
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
             message = self.peer.recv(remaining, self.kinds)
             if message is None:
                 if partner not in self.peer.members():
-                    return
-            elif message.kind == PAIR_REQUEST:
-                self._answer(message)
-            elif message.sender == partner and self._exchange_of(message) == exchange:
-                if self._valid(message) and self._fresh(message.round, self.round):
-                    with self.lock:
-                        self.layout.add_scaled(self.params, message.tensors, 1.0, self._scratch)
-                        self._count_exchange(message.round)
-                return
+                    return None
+            elif message.kind in (PAIR_ASK, PAIR_REQUEST):
+                self._serve(message)
+            elif (message.sender, message.kind) == (partner, kind) and self._exchange_of(message) == exchange:
+                return message
             else:
-                self.dropped["stale"] += 1  # the answer to an exchange already given up
+                self.dropped["stale"] += 1  # a turn or an answer of an exchange given up
         if not self._stop.is_set():
             self.peer.missed(partner)
+        return None
 
     def _answer_until(self, deadline: float) -> None:
+        """The passive side until ``deadline``: take asks, give turns, answer requests."""
         while (remaining := deadline - self.peer.now()) > 0 and not self._stop.is_set():
-            message = self.peer.recv(remaining, (PAIR_REQUEST,))
+            # (while an answer leaves and an ask waits, look again soon whether it has left)
+            leaving = bool(self._asks) and self._turn is None and self._answered is not None
+            wait = min(remaining, SEND_POLL_S) if leaving else remaining
+            message = self.peer.recv(wait, (PAIR_ASK, PAIR_REQUEST))
             if message is not None:
-                self._answer(message)
+                self._serve(message)
+            self._give_turn()
 
-    def _answer(self, request: Envelope) -> None:
-        """The passive side: take the mean, answer with half the difference."""
-        exchange = self._exchange_of(request)
-        if exchange is None or not (self._valid(request) and self._fresh(request.round, self.round)):
+    def _serve(self, message: Envelope) -> None:
+        """An active neighbour's ask (queued: its latest, at the back) or request (answered if
+        it is the one whose turn it is; else counted and let go)."""
+        exchange = self._exchange_of(message)
+        if exchange is None:
             return
+        if message.kind == PAIR_ASK:
+            self._asks.pop(message.sender, None)
+            self._asks[message.sender] = exchange
+        elif self._its_turn(message.sender, exchange):
+            self._turn = None
+            if self._answer(message):
+                self._answered = (message.sender, self.peer.now() + self.wait_limit())
+        else:
+            self.dropped["pair_without_turn"] += 1
+        self._give_turn()
+
+    def _its_turn(self, sender: str, exchange: int) -> bool:
+        """Whether ``sender``'s request of ``exchange`` is answered now: its turn was given (a
+        small model's needs none)."""
+        return not self._asks_first or (self._turn is not None and self._turn[:2] == (sender, exchange))
+
+    def _give_turn(self) -> None:
+        """Give the next asker its turn once the last one's is over: its request answered and
+        the answer gone from this node, or the wait limit passed (a turn given and not taken
+        stays open while nobody else asks)."""
+        if not self._asks:
+            return
+        now = self.peer.now()
+        if self._turn is not None:
+            if now < self._turn[2]:
+                return
+            self.dropped["pair_turn_unused"] += 1
+            self._turn = None
+        if self._answered is not None:
+            target, until = self._answered
+            if now < until and self.peer.backlog(target):
+                return
+            self._answered = None
+        sender = next(iter(self._asks))
+        exchange = self._asks.pop(sender)
+        self.peer.send(sender, PAIR_TURN, self.round, (), Exchange(exchange).encode())
+        self._turn = (sender, exchange, now + self.wait_limit())
+
+    def _answer(self, request: Envelope) -> bool:
+        """The passive side of an exchange: take the mean, answer with half the difference;
+        whether the request was taken."""
+        if not (self._valid(request) and self._fresh(request.round, self.round)):
+            return False
         version = self.round
         with self.lock:
             answer = self._take_mean(request)
-        self.peer.send(request.sender, PAIR_DIFFERENCE, version, answer, Exchange(exchange).encode())
+        self.peer.send(request.sender, PAIR_DIFFERENCE, version, answer, request.meta)
+        return True
 
     def _exchange_of(self, message: Envelope) -> int | None:
         """The exchange a request or reply belongs to; None (counted) if it names none."""

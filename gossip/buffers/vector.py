@@ -120,6 +120,11 @@ class Layout:
         """The vector sent as it is."""
         return cls(((vector.dtype, vector.size),))
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes a vector of this layout takes on the wire."""
+        return sum(np.dtype(dtype).itemsize * size for dtype, size in self.buckets)
+
     def slice(self, lo: int, hi: int) -> Layout:
         """The layout of elements ``lo:hi`` of the vector (a local rank's slice)."""
         buckets, start = [], 0
