@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +33,22 @@ def memory_mesh(n: int) -> list:  # type: ignore[type-arg]
 def start_vectors(n: int, seed: int = 3) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(200) + 2.0 for _ in range(n)]
+
+
+def exchange_until(
+    vectors: list[np.ndarray], done: Callable[[list[ADPSGD]], bool], **options: Any
+) -> list[ADPSGD]:
+    """AD-PSGD on a ring of in-memory nodes holding ``vectors``, until ``done`` (asserted)."""
+    averagers = [
+        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001, **options)
+        for p, v in zip(memory_mesh(len(vectors)), vectors, strict=True)
+    ]
+    try:
+        assert wait_until(lambda: done(averagers))
+    finally:
+        for averager in averagers:
+            averager.close()
+    return averagers
 
 
 def test_push_sum_reaches_the_exact_mean_in_log2_n_rounds_on_one_peer_exponential() -> None:
@@ -85,18 +103,9 @@ def test_push_sum_with_overlap_converges_to_the_exact_mean_on_a_directed_graph()
 
 
 def test_asynchronous_pairwise_averaging_keeps_the_mean_and_reaches_it() -> None:
-    peers = memory_mesh(8)
     vectors = start_vectors(8, seed=5)
     target = np.mean(vectors, axis=0)
-    averagers = [
-        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001)
-        for p, v in zip(peers, vectors, strict=True)
-    ]
-    try:
-        assert wait_until(lambda: consensus_distance(vectors) < 1e-9)
-    finally:
-        for averager in averagers:
-            averager.close()
+    averagers = exchange_until(vectors, lambda _: consensus_distance(vectors) < 1e-9)
     np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-12)  # exchanges are atomic pairs
     for vector in vectors:
         np.testing.assert_allclose(vector, target, atol=1e-6)
@@ -149,21 +158,11 @@ def test_asynchronous_exchanges_over_a_narrow_wire_keep_the_mean_to_the_vectors_
     difference as sent and moves by exactly that, so the pair's sum is kept to float32's
     rounding, not bfloat16's (an answer of the passive's model, rounded, would move the
     mean by ~1e-3 an exchange)."""
-    peers = memory_mesh(4)
-    rng = np.random.default_rng(11)
-    vectors = [(rng.standard_normal(200) + 2.0).astype(np.float32) for _ in peers]
+    vectors = [vector.astype(np.float32) for vector in start_vectors(4, seed=11)]
     target = np.mean(np.array(vectors, dtype=np.float64), axis=0)
     spread = consensus_distance(vectors)
     layout = Layout(((vector_module.BFLOAT16, 100), (np.dtype(np.float32), 100)))
-    averagers = [
-        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001, layout=layout)
-        for p, v in zip(peers, vectors, strict=True)
-    ]
-    try:
-        assert wait_until(lambda: sum(a.exchanges for a in averagers) >= 100)
-    finally:
-        for averager in averagers:
-            averager.close()
+    exchange_until(vectors, lambda averagers: sum(a.exchanges for a in averagers) >= 100, layout=layout)
     mean = np.mean(np.array(vectors, dtype=np.float64), axis=0)
     np.testing.assert_allclose(mean, target, rtol=0, atol=2e-5)
     assert consensus_distance(vectors) < 0.1 * spread  # (and they did average)
@@ -176,18 +175,9 @@ def test_asynchronous_exchanges_of_a_large_model_take_turns_at_each_passive(
     request at a time: the mean is kept and reached as without turns, and a request sent
     without a turn is refused, the passive's model untouched."""
     monkeypatch.setattr(adpsgd_module, "ASK_ABOVE_BYTES", 0)  # (every model "large")
-    peers = memory_mesh(4)
     vectors = start_vectors(4, seed=12)
     target = np.mean(vectors, axis=0)
-    averagers = [
-        ADPSGD(p, v, topology=Topology.parse("ring"), interval_s=0.001)
-        for p, v in zip(peers, vectors, strict=True)
-    ]
-    try:
-        assert wait_until(lambda: consensus_distance(vectors) < 1e-9)
-    finally:
-        for averager in averagers:
-            averager.close()
+    averagers = exchange_until(vectors, lambda _: consensus_distance(vectors) < 1e-9)
     np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-12)
     assert sum(a.dropped["pair_without_turn"] for a in averagers) == 0
     passive = ADPSGD(memory_mesh(1)[0], own := np.ones(3), topology=Topology.parse("ring"))
