@@ -189,12 +189,19 @@ class RunningMix:
                 stop = min(stop, incoming[0][theirs + 1])
             stop = min(stop, start + self._scratch.size)
             block = self._scratch[: stop - start]
-            np.copyto(block, values[done : done + block.size], casting="same_kind")
-            if not np.isfinite(block).all():
-                return done
             before = self._weights[segment]
             after = before + weight
-            block *= weight / after
+            # the values scaled as they are read (widened first where they are narrower, so the
+            # product is the block's dtype's); checked after: a scale in (0, 1] makes no finite
+            # value infinite and leaves every infinite or NaN one so (0 makes them NaN)
+            part = values[done : done + block.size]
+            if part.dtype == block.dtype:
+                np.multiply(part, weight / after, out=block)
+            else:
+                np.copyto(block, part, casting="same_kind")
+                block *= weight / after
+            if not np.isfinite(block).all():
+                return done
             with self._lock:
                 mix_into(self._params[start:stop], block, before / after)
             self._raise(start, stop, weight)
