@@ -19,7 +19,7 @@ from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.pace import Pace
 from gossip.buffers import vector as vector_module
 from gossip.buffers.vector import Layout
-from gossip.messages import PAIR_REQUEST, Exchange
+from gossip.messages import PAIR_ASK, PAIR_DIFFERENCE, PAIR_REQUEST, PAIR_TURN, Exchange
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p.wire import Message
 from topologies import SpecError, Topology
@@ -180,10 +180,43 @@ def test_asynchronous_exchanges_of_a_large_model_take_turns_at_each_passive(
     averagers = exchange_until(vectors, lambda _: consensus_distance(vectors) < 1e-9)
     np.testing.assert_allclose(np.mean(vectors, axis=0), target, atol=1e-12)
     assert sum(a.dropped["pair_without_turn"] for a in averagers) == 0
-    passive = ADPSGD(memory_mesh(1)[0], own := np.ones(3), topology=Topology.parse("ring"))
-    passive.close()  # (its exchanger stopped: the request is served here)
-    passive._serve(Message(PAIR_REQUEST, "node-9", 0, (np.full(3, 5.0),), Exchange(1).encode()))
+
+
+def test_a_passive_gives_one_turn_at_a_time_and_a_new_ask_ends_its_askers_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Served by hand (its exchanger stopped): the first ask gets the turn, the second waits;
+    a request without the turn is refused and leaves the model as it was; the turn's holder
+    asking again (it gave its exchange up) gets the turn for the new one at once."""
+    monkeypatch.setattr(adpsgd_module, "ASK_ABOVE_BYTES", 0)
+    a, passive_peer, b = memory_mesh(3)
+    passive = ADPSGD(passive_peer, own := np.ones(3), topology=Topology.parse("ring"))
+    passive.close()
+
+    def serve(kind: str, sender: str, exchange: int, tensors: tuple[np.ndarray, ...] = ()) -> None:
+        passive._serve(Message(kind, sender, 0, tensors, Exchange(exchange).encode()))
+
+    def turns(peer: Any) -> list[int]:
+        got = []
+        while (message := peer.recv(0.01, (PAIR_TURN,))) is not None:
+            got.append(Exchange.decode(message.meta).exchange)
+        return got
+
+    serve(PAIR_ASK, "node-0", 1)
+    serve(PAIR_ASK, "node-2", 1)
+    assert turns(a) == [1] and turns(b) == []
+    serve(PAIR_REQUEST, "node-2", 1, (np.full(3, 5.0),))
     assert passive.dropped["pair_without_turn"] == 1 and np.array_equal(own, np.ones(3))
+    serve(PAIR_ASK, "node-0", 2)  # (node-0 gave exchange 1 up)
+    assert turns(a) == [2] and passive.dropped["pair_turn_unused"] == 1
+    serve(PAIR_REQUEST, "node-0", 1, (np.full(3, 5.0),))
+    assert passive.dropped["pair_without_turn"] == 2 and np.array_equal(own, np.ones(3))
+    serve(PAIR_REQUEST, "node-0", 2, (np.full(3, 5.0),))
+    np.testing.assert_array_equal(own, np.full(3, 3.0))  # the mean
+    answer = a.recv(0.01, (PAIR_DIFFERENCE,))
+    assert answer is not None
+    np.testing.assert_array_equal(answer.tensors[0], np.full(3, -2.0))  # (1 - 5) / 2
+    assert turns(b) == [1]  # (its answer left: memory networks hold nothing back)
 
 
 def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:

@@ -158,12 +158,17 @@ class ADPSGD(Averager):
             self._give_turn()
 
     def _serve(self, message: Envelope) -> None:
-        """An active neighbour's ask (queued: its latest, at the back) or request (answered if
-        it is the one whose turn it is; else counted and let go)."""
+        """An active neighbour's ask (queued: its latest, at the back; or, from the one whose
+        turn it is, which has given that exchange up, its turn again at once) or request
+        (answered if it is the one whose turn it is; else counted and let go)."""
         exchange = self._exchange_of(message)
         if exchange is None:
             return
-        if message.kind == PAIR_ASK:
+        if message.kind == PAIR_ASK and self._turn is not None and self._turn[0] == message.sender:
+            self.dropped["pair_turn_unused"] += 1
+            self._turn = None
+            self._give(message.sender, exchange)
+        elif message.kind == PAIR_ASK:
             self._asks.pop(message.sender, None)
             self._asks[message.sender] = exchange
         elif self._its_turn(message.sender, exchange):
@@ -197,9 +202,11 @@ class ADPSGD(Averager):
                 return
             self._answered = None
         sender = next(iter(self._asks))
-        exchange = self._asks.pop(sender)
+        self._give(sender, self._asks.pop(sender))
+
+    def _give(self, sender: str, exchange: int) -> None:
         self.peer.send(sender, PAIR_TURN, self.round, (), Exchange(exchange).encode())
-        self._turn = (sender, exchange, now + self.wait_limit())
+        self._turn = (sender, exchange, self.peer.now() + self.wait_limit())
 
     def _answer(self, request: Envelope) -> bool:
         """The passive side of an exchange: take the mean, answer with half the difference;
