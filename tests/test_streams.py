@@ -24,7 +24,7 @@ from helpers import (
     wait_until,
 )
 
-from gossip import CHOCO, Codec, consensus_distance
+from gossip import ADPSGD, CHOCO, Codec, consensus_distance
 from gossip.buffers.arrays import own_memory
 from gossipmesh.sim.memory import read_only
 from p2p import Peer, Transport
@@ -286,6 +286,40 @@ def test_choco_adds_updates_spread_over_several_connections_to_its_sum() -> None
             peer.close()
     assert [(n.sum_restarts, dict(n.rejected)) for n in nodes] == [(0, {})] * 3
     assert consensus_distance(vectors) < 1e-4
+
+
+def test_adpsgd_exchanges_a_streamed_model_by_turns_over_real_connections() -> None:
+    """Four real nodes on a ring, each model 1.5 chunks (streamed, so above the size that asks
+    for a turn): the passives answer each request by turn, from its reassembly buffer; the
+    mean is kept and the models meet."""
+    size = (CHUNK_BYTES + CHUNK_BYTES // 2) // 4
+    vectors = [np.random.default_rng(i).standard_normal(size).astype(np.float32) for i in range(4)]
+    target = np.mean(np.array(vectors, dtype=np.float64), axis=0)
+    spread = consensus_distance(vectors)
+    listen = addresses(4)
+    peers = [Peer(f"n{i}", listen[i], listen[:1] if i else []) for i in range(4)]
+    try:
+        for peer in peers:
+            peer.start()
+        for peer in peers:
+            peer.wait_ready(HANG_S, expect=4)
+        with full_waits():
+            nodes = [
+                ADPSGD(peer, vector, topology=Topology.parse("ring"))
+                for peer, vector in zip(peers, vectors, strict=True)
+            ]
+            assert all(node._asks_first for node in nodes)
+            done = wait_until(lambda: min(n.exchanges for n in nodes) >= 6)
+            for node in nodes:
+                node.close()
+    finally:
+        for peer in peers:
+            peer.close()
+    assert done, [n.exchanges for n in nodes]
+    assert [dict(n.rejected) for n in nodes] == [{}] * 4
+    assert sum(n.dropped["pair_without_turn"] for n in nodes) == 0
+    np.testing.assert_allclose(np.mean(np.array(vectors, dtype=np.float64), axis=0), target, atol=1e-5)
+    assert consensus_distance(vectors) < 0.5 * spread
 
 
 def test_each_connection_lane_keeps_its_own_sequence_and_a_lane_out_of_range_is_refused() -> None:
