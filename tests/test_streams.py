@@ -25,6 +25,7 @@ from helpers import (
 )
 
 from gossip import ADPSGD, CHOCO, Codec, consensus_distance
+from gossip.algorithms import adpsgd as adpsgd_module
 from gossip.buffers.arrays import own_memory
 from gossipmesh.sim.memory import read_only
 from p2p import Peer, Transport
@@ -288,10 +289,13 @@ def test_choco_adds_updates_spread_over_several_connections_to_its_sum() -> None
     assert consensus_distance(vectors) < 1e-4
 
 
-def test_adpsgd_exchanges_a_streamed_model_by_turns_over_real_connections() -> None:
-    """Four real nodes on a ring, each model 1.5 chunks (streamed, so above the size that asks
-    for a turn): the passives answer each request by turn, from its reassembly buffer; the
-    mean is kept and the models meet."""
+def test_adpsgd_exchanges_a_streamed_model_by_turns_over_real_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four real nodes on a ring, each model 1.5 chunks (streamed), every model asking for a
+    turn: the passives answer each request by turn, from its reassembly buffer; the mean is
+    kept and the models meet."""
+    monkeypatch.setattr(adpsgd_module, "ASK_ABOVE_BYTES", CHUNK_BYTES)
     size = (CHUNK_BYTES + CHUNK_BYTES // 2) // 4
     vectors = [np.random.default_rng(i).standard_normal(size).astype(np.float32) for i in range(4)]
     target = np.mean(np.array(vectors, dtype=np.float64), axis=0)
