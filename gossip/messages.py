@@ -169,7 +169,7 @@ class Kind:
 
 PARAMS, PUSH, FINAL = "params", "push", "final"
 PAIR_ASK, PAIR_TURN = "pair_ask", "pair_turn"
-PAIR_REQUEST, PAIR_DIFFERENCE = "pair_request", "pair_difference"
+PAIR_MODEL, PAIR_DIFFERENCE = "pair_model", "pair_difference"
 CHOCO_UPDATE, CHOCO_FULL_REQUEST, CHOCO_FULL = "choco", "choco_full_request", "choco_full"
 STATE_REQUEST, STATE_MANIFEST, STATE_CHUNK = "state_request", "state_manifest", "state_chunk"
 
@@ -181,7 +181,7 @@ KINDS: dict[str, Kind] = {
     FINAL: Kind(None, "every algorithm, once training ended: the model in its wire layout"),
     PAIR_ASK: Kind(Exchange, "AD-PSGD: none (an active node asks its passive partner for a turn)"),
     PAIR_TURN: Kind(Exchange, "AD-PSGD: none (the passive's go-ahead: send your model now)"),
-    PAIR_REQUEST: Kind(Exchange, "AD-PSGD: the active node's model in the wire layout"),
+    PAIR_MODEL: Kind(Exchange, "AD-PSGD: the active node's model in the wire layout"),
     PAIR_DIFFERENCE: Kind(Exchange, "AD-PSGD: half the passive's model before it mixed less the request's"),
     CHOCO_UPDATE: Kind(ChocoStep, "CHOCO: the codec's frames of q = Q(x - x̂)"),
     CHOCO_FULL_REQUEST: Kind(None, "CHOCO: none (send me your public copy)"),

@@ -165,7 +165,7 @@ def _valid_messages(draw: st.DrawFn) -> Input:
     vector = np.asarray(draw(st.lists(st.floats(width=32), min_size=SIZE, max_size=SIZE)), np.float32)
     tensors: list[np.ndarray] = []
     meta: dict[str, Any] = {"updates": draw(member_records), "reply_to": draw(endpoints)}
-    if kind in ("params", "pair_request", "pair_difference", "choco_full"):
+    if kind in ("params", "pair_model", "pair_difference", "choco_full"):
         tensors = [vector]
         meta["exchange"] = draw(ints)
     elif kind in ("pair_ask", "pair_turn"):

@@ -19,7 +19,7 @@ from gossip.algorithms.averager import RoundStats
 from gossip.algorithms.pace import Pace
 from gossip.buffers import vector as vector_module
 from gossip.buffers.vector import Layout
-from gossip.messages import PAIR_ASK, PAIR_DIFFERENCE, PAIR_REQUEST, PAIR_TURN, Exchange
+from gossip.messages import PAIR_ASK, PAIR_DIFFERENCE, PAIR_MODEL, PAIR_TURN, Exchange
 from gossipmesh.sim.memory import MemoryNetwork
 from p2p.wire import Message
 from topologies import SpecError, Topology
@@ -205,18 +205,23 @@ def test_a_passive_gives_one_turn_at_a_time_and_a_new_ask_ends_its_askers_turn(
     serve(PAIR_ASK, "node-0", 1)
     serve(PAIR_ASK, "node-2", 1)
     assert turns(a) == [1] and turns(b) == []
-    serve(PAIR_REQUEST, "node-2", 1, (np.full(3, 5.0),))
+    serve(PAIR_MODEL, "node-2", 1, (np.full(3, 5.0),))
     assert passive.dropped["pair_without_turn"] == 1 and np.array_equal(own, np.ones(3))
     serve(PAIR_ASK, "node-0", 2)  # (node-0 gave exchange 1 up)
     assert turns(a) == [2] and passive.dropped["pair_turn_unused"] == 1
-    serve(PAIR_REQUEST, "node-0", 1, (np.full(3, 5.0),))
+    serve(PAIR_MODEL, "node-0", 1, (np.full(3, 5.0),))
     assert passive.dropped["pair_without_turn"] == 2 and np.array_equal(own, np.ones(3))
-    serve(PAIR_REQUEST, "node-0", 2, (np.full(3, 5.0),))
+    leaving = {"node-0": 1}  # (the answer to node-0 has not left yet)
+    monkeypatch.setattr(passive_peer, "backlog", lambda to: leaving.get(to, 0))
+    serve(PAIR_MODEL, "node-0", 2, (np.full(3, 5.0),))
     np.testing.assert_array_equal(own, np.full(3, 3.0))  # the mean
     answer = a.recv(0.01, (PAIR_DIFFERENCE,))
-    assert answer is not None
+    assert answer is not None and Exchange.decode(answer.meta).exchange == 2
     np.testing.assert_array_equal(answer.tensors[0], np.full(3, -2.0))  # (1 - 5) / 2
-    assert turns(b) == [1]  # (its answer left: memory networks hold nothing back)
+    assert turns(b) == []  # one model's bytes at a time: node-2 waits for the answer to leave
+    leaving.clear()
+    passive._give_turn()
+    assert turns(b) == [1]
 
 
 def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:

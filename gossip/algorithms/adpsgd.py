@@ -39,7 +39,7 @@ import numpy as np
 from gossip.algorithms.averager import SEND_POLL_S, Averager, AveragerOptions, Needs
 from gossip.buffers.arrays import own_memory
 from gossip.buffers.vector import mix_into
-from gossip.messages import PAIR_ASK, PAIR_DIFFERENCE, PAIR_REQUEST, PAIR_TURN, Exchange, PayloadError
+from gossip.messages import PAIR_ASK, PAIR_DIFFERENCE, PAIR_MODEL, PAIR_TURN, Exchange, PayloadError
 from gossip.network import Envelope, PeerNetwork
 from topologies import pair_partner
 
@@ -55,7 +55,7 @@ class ADPSGD(Averager):
     plus ``interval_s``: the least time between two exchanges this node starts."""
 
     name: ClassVar[str] = "adpsgd"
-    kinds: ClassVar[tuple[str, ...]] = (PAIR_ASK, PAIR_TURN, PAIR_REQUEST, PAIR_DIFFERENCE)
+    kinds: ClassVar[tuple[str, ...]] = (PAIR_ASK, PAIR_TURN, PAIR_MODEL, PAIR_DIFFERENCE)
     needs: ClassVar[Needs] = Needs(static_undirected_graph=True)  # pairs come from the 2-colouring
     mixes_in_background: ClassVar[bool] = True
 
@@ -119,7 +119,7 @@ class ADPSGD(Averager):
                 return
         with self.lock:
             request = self.layout.pack(self.params, copy=True)
-        self.peer.send(partner, PAIR_REQUEST, self.round, request, Exchange(exchange).encode())
+        self.peer.send(partner, PAIR_MODEL, self.round, request, Exchange(exchange).encode())
         del request  # (the answer is a difference: nothing of what was sent is needed again)
         answer = self._wait_for(partner, PAIR_DIFFERENCE, exchange)
         if answer is not None and self._valid(answer) and self._fresh(answer.round, self.round):
@@ -136,12 +136,13 @@ class ADPSGD(Averager):
             if message is None:
                 if partner not in self.peer.members():
                     return None
-            elif message.kind in (PAIR_ASK, PAIR_REQUEST):
-                self._serve(message)
+            elif message.kind in (PAIR_ASK, PAIR_MODEL):
+                self._serve(message)  # (a node the graph leaves uncoloured is asked too)
             elif (message.sender, message.kind) == (partner, kind) and self._exchange_of(message) == exchange:
                 return message
             else:
                 self.dropped["stale"] += 1  # a turn or an answer of an exchange given up
+            self._give_turn()
         if not self._stop.is_set():
             self.peer.missed(partner)
         return None
@@ -152,7 +153,7 @@ class ADPSGD(Averager):
             # (while an answer leaves and an ask waits, look again soon whether it has left)
             leaving = bool(self._asks) and self._turn is None and self._answered is not None
             wait = min(remaining, SEND_POLL_S) if leaving else remaining
-            message = self.peer.recv(wait, (PAIR_ASK, PAIR_REQUEST))
+            message = self.peer.recv(wait, (PAIR_ASK, PAIR_MODEL))
             if message is not None:
                 self._serve(message)
             self._give_turn()
@@ -173,7 +174,7 @@ class ADPSGD(Averager):
             self._asks[message.sender] = exchange
         elif self._its_turn(message.sender, exchange):
             self._turn = None
-            if self._answer(message):
+            if self._answer(message, exchange):
                 self._answered = (message.sender, self.peer.now() + self.wait_limit())
         else:
             self.dropped["pair_without_turn"] += 1
@@ -186,13 +187,18 @@ class ADPSGD(Averager):
 
     def _give_turn(self) -> None:
         """Give the next asker its turn once the last one's is over: its request answered and
-        the answer gone from this node, or the wait limit passed (a turn given and not taken
-        stays open while nobody else asks)."""
+        the answer gone from this node, the wait limit passed, or its holder gone from the
+        membership (a turn given and not taken stays open while nobody else asks). Asks of
+        nodes no longer members are forgotten."""
+        if not self._asks:
+            return
+        members = self.peer.members()
+        self._asks = {sender: exchange for sender, exchange in self._asks.items() if sender in members}
         if not self._asks:
             return
         now = self.peer.now()
         if self._turn is not None:
-            if now < self._turn[2]:
+            if now < self._turn[2] and self._turn[0] in members:
                 return
             self.dropped["pair_turn_unused"] += 1
             self._turn = None
@@ -208,7 +214,7 @@ class ADPSGD(Averager):
         self.peer.send(sender, PAIR_TURN, self.round, (), Exchange(exchange).encode())
         self._turn = (sender, exchange, self.peer.now() + self.wait_limit())
 
-    def _answer(self, request: Envelope) -> bool:
+    def _answer(self, request: Envelope, exchange: int) -> bool:
         """The passive side of an exchange: take the mean, answer with half the difference;
         whether the request was taken."""
         if not (self._valid(request) and self._fresh(request.round, self.round)):
@@ -216,7 +222,7 @@ class ADPSGD(Averager):
         version = self.round
         with self.lock:
             answer = self._take_mean(request)
-        self.peer.send(request.sender, PAIR_DIFFERENCE, version, answer, request.meta)
+        self.peer.send(request.sender, PAIR_DIFFERENCE, version, answer, Exchange(exchange).encode())
         return True
 
     def _exchange_of(self, message: Envelope) -> int | None:

@@ -14,7 +14,7 @@ import numpy as np
 from gossip.network import PeerNetwork, PeerWrapper
 from gossipmesh.config.values import Corruption
 
-MODEL_KINDS = frozenset({"params", "push", "pair_request", "pair_difference"})  # what carries a model
+MODEL_KINDS = frozenset({"params", "push", "pair_model", "pair_difference"})  # what carries a model
 
 
 class ByzantinePeer(PeerWrapper):
