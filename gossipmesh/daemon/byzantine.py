@@ -14,7 +14,9 @@ import numpy as np
 from gossip.network import PeerNetwork, PeerWrapper
 from gossipmesh.config.values import Corruption
 
-MODEL_KINDS = frozenset({"params", "push", "pair_model", "pair_difference"})  # what carries a model
+# what carries a model (AD-PSGD's answer: half a difference of two, so scale:F moves its active
+# by F times what it should, and scale:0 not at all)
+MODEL_KINDS = frozenset({"params", "push", "pair_model", "pair_difference"})
 
 
 class ByzantinePeer(PeerWrapper):
