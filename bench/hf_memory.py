@@ -11,7 +11,7 @@ Two arms, each two fresh processes on 127.0.0.1 (one torch thread each: they sha
 Per arm: the model's bytes, each process's peak resident memory (VmHWM) and the median time of
 a training step after the first two, and for gossip its peak over the alone arm's.
 
-    python bench/hf_memory.py [--steps 24] [--layers 12] [--width 768] [--batch 4]
+    python bench/hf_memory.py [--steps 24] [--layers 12] [--width 768] [--batch 4] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -124,13 +124,32 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--batch", type=int, default=4, help="windows of 32 characters per step")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of both arms, one after the other; the step-time ratio is their median (a step "
+        "of the alone arm varies by 10%% between runs on a shared machine)",
+    )  # fmt: skip
     args = parser.parse_args()
-    alone = run_arm("alone", args)
-    gossip = run_arm("gossip", args)
+    ratios, overs = [], []
+    for repeat in range(args.repeats):
+        alone, gossip = run_arm("alone", args), run_arm("gossip", args)
+        if repeat == 0:
+            model_mb = alone[0]["model_bytes"] / 1e6
+            print(f"GPT-2 {args.layers} x {args.width}: {model_mb:.0f} MB of parameters, {args.steps} steps, "
+                  f"batch {args.batch} x {CONTEXT} characters, 2 processes")  # fmt: skip
+            print(f"{'arm':>7} {'peak MB':>16} {'step s':>14} {'peak over alone':>24}")
+        ratio, over = _print_run(alone, gossip)
+        ratios.append(ratio)
+        overs.append(over)
+    if args.repeats > 1:
+        print(f"median of {args.repeats} runs: step time {statistics.median(ratios):.2f}x alone's, "
+              f"peak over alone {statistics.median(overs):.2f}x the model")  # fmt: skip
+
+
+def _print_run(alone: list[dict[str, Any]], gossip: list[dict[str, Any]]) -> tuple[float, float]:
+    """Print one run of both arms; its gossip step time over alone's and peak over alone's (x
+    the model)."""
     model_mb = alone[0]["model_bytes"] / 1e6
-    print(f"GPT-2 {args.layers} x {args.width}: {model_mb:.0f} MB of parameters, {args.steps} steps, "
-          f"batch {args.batch} x {CONTEXT} characters, 2 processes")  # fmt: skip
-    print(f"{'arm':>7} {'peak MB':>16} {'step s':>14} {'peak over alone':>24}")
     base = max(r["peak"] for r in alone)
     for name, rows in (("alone", alone), ("gossip", gossip)):
         peaks = " / ".join(f"{r['peak'] / 1e6:.0f}" for r in rows)
@@ -138,7 +157,8 @@ def main() -> None:
         over = max(r["peak"] for r in rows) - base
         print(f"{name:>7} {peaks:>16} {steps:>14} {over / 1e6:>9.0f} MB = {over / 1e6 / model_mb:.2f}x model")
     ratio = statistics.median(r["step_s"] for r in gossip) / statistics.median(r["step_s"] for r in alone)
-    print(f"gossip's step time: {ratio:.2f}x alone's")
+    print(f"gossip's step time: {ratio:.2f}x alone's", flush=True)
+    return ratio, over / 1e6 / model_mb
 
 
 if __name__ == "__main__":
