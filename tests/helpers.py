@@ -36,12 +36,12 @@ def addresses(count: int) -> list[str]:
 
 
 @contextmanager
-def started_peers(ids: list[str], expect: int | None = None) -> Iterator[list[Peer]]:
-    """Real peers on 127.0.0.1 joining through the first one; waits until each sees ``expect``
-    members (default: all of them)."""
+def started_peers(ids: list[str], expect: int | None = None, **options: Any) -> Iterator[list[Peer]]:
+    """Real peers on 127.0.0.1 (``Peer``'s ``options``) joining through the first one; waits
+    until each sees ``expect`` members (default: all of them)."""
     listen = addresses(len(ids))
     peers = [
-        Peer(node_id, address, listen[:1] if i else [])
+        Peer(node_id, address, listen[:1] if i else [], **options)
         for i, (node_id, address) in enumerate(zip(ids, listen, strict=True))
     ]
     try:

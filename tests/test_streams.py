@@ -20,6 +20,7 @@ from helpers import (
     peak_memory,
     raw_dealer,
     run_together,
+    started_peers,
     started_transport,
     wait_until,
 )
@@ -28,7 +29,7 @@ from gossip import ADPSGD, CHOCO, Codec, consensus_distance
 from gossip.algorithms import adpsgd as adpsgd_module
 from gossip.buffers.arrays import own_memory
 from gossipmesh.sim.memory import read_only
-from p2p import Peer, Transport
+from p2p import Transport
 from p2p.transport.outbound import MAX_STREAMS_PER_PEER
 from p2p.transport.reassembly import MAX_STREAMS_PER_SENDER, Assembler
 from p2p.wire import (
@@ -262,29 +263,19 @@ def test_choco_adds_updates_spread_over_several_connections_to_its_sum() -> None
     its sum (no piece refused, no restart) and the three reach one model."""
     size = CHUNK_BYTES + CHUNK_BYTES // 2
     vectors = [np.random.default_rng(i).standard_normal(size).astype(np.float32) for i in range(3)]
-    listen = addresses(3)
-    peers = [Peer(f"n{i}", listen[i], listen[:1] if i else [], streams=2) for i in range(3)]
-    try:
-        for peer in peers:
-            peer.start()
-        for peer in peers:
-            peer.wait_ready(HANG_S, expect=3)
-        with full_waits():
-            nodes = [
-                CHOCO(
-                    peer,
-                    vector,
-                    topology=Topology.parse("complete"),
-                    codec=Codec.parse("int8"),
-                    stragglers="wait",
-                    round_timeout=30,  # (an update of 6 MB: a refused piece costs a round this)
-                )
-                for peer, vector in zip(peers, vectors, strict=True)
-            ]
-            run_together((lambda n=n: [n.after_step() for _ in range(20)]) for n in nodes)
-    finally:
-        for peer in peers:
-            peer.close()
+    with started_peers([f"n{i}" for i in range(3)], streams=2) as peers, full_waits():
+        nodes = [
+            CHOCO(
+                peer,
+                vector,
+                topology=Topology.parse("complete"),
+                codec=Codec.parse("int8"),
+                stragglers="wait",
+                round_timeout=30,  # (an update of 6 MB: a refused piece costs a round this)
+            )
+            for peer, vector in zip(peers, vectors, strict=True)
+        ]
+        run_together((lambda n=n: [n.after_step() for _ in range(20)]) for n in nodes)
     assert [(n.sum_restarts, dict(n.rejected)) for n in nodes] == [(0, {})] * 3
     assert consensus_distance(vectors) < 1e-4
 
@@ -300,25 +291,13 @@ def test_adpsgd_exchanges_a_streamed_model_by_turns_over_real_connections(
     vectors = [np.random.default_rng(i).standard_normal(size).astype(np.float32) for i in range(4)]
     target = np.mean(np.array(vectors, dtype=np.float64), axis=0)
     spread = consensus_distance(vectors)
-    listen = addresses(4)
-    peers = [Peer(f"n{i}", listen[i], listen[:1] if i else []) for i in range(4)]
-    try:
-        for peer in peers:
-            peer.start()
-        for peer in peers:
-            peer.wait_ready(HANG_S, expect=4)
-        with full_waits():
-            nodes = [
-                ADPSGD(peer, vector, topology=Topology.parse("ring"))
-                for peer, vector in zip(peers, vectors, strict=True)
-            ]
-            assert all(node._asks_first for node in nodes)
-            done = wait_until(lambda: min(n.exchanges for n in nodes) >= 6)
-            for node in nodes:
-                node.close()
-    finally:
-        for peer in peers:
-            peer.close()
+    with started_peers([f"n{i}" for i in range(4)]) as peers, full_waits():
+        ring = Topology.parse("ring")
+        nodes = [ADPSGD(peer, vector, topology=ring) for peer, vector in zip(peers, vectors, strict=True)]
+        assert all(node._asks_first for node in nodes)
+        done = wait_until(lambda: min(n.exchanges for n in nodes) >= 6)
+        for node in nodes:
+            node.close()
     assert done, [n.exchanges for n in nodes]
     assert [dict(n.rejected) for n in nodes] == [{}] * 4
     assert sum(n.dropped["pair_without_turn"] for n in nodes) == 0
