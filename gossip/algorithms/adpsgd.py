@@ -17,8 +17,8 @@ when the last request was answered and its answer has left (or after the wait li
 requests never pile up in its memory, and the model an active sends is the one it has when
 its turn comes. A model of at most ``ASK_ABOVE_BYTES`` on the wire is sent without asking: its
 actives' requests cross their links at once, which behind slow links keeps the exchanges
-coming (taking turns, a 5.3 MB model's mesh with one host at 10 Mbit/s ended its lowest node
-at 0.944 twice, 0.956 without), and two such requests add little to a node. Nodes are
+coming (turns cost a slow-linked mesh accuracy: docs/algorithms.md), and two such requests
+add little to a node. Nodes are
 split into actives and passives by the graph's 2-colouring (even and odd positions when it has
 none), so two nodes never wait on each other and exchanges cannot deadlock. A slow node computes slowly
 but keeps exchanging at the speed of the network, so its model stays with the others.
@@ -226,7 +226,8 @@ class ADPSGD(Averager):
         return True
 
     def _exchange_of(self, message: Envelope) -> int | None:
-        """The exchange a request or reply belongs to; None (counted) if it names none."""
+        """The exchange an ask, a turn, a request or an answer belongs to; None (counted) if it
+        names none."""
         try:
             return Exchange.decode(message.meta).exchange
         except PayloadError:

@@ -698,8 +698,8 @@ class Transport:
 
     def _wake(self) -> None:
         """Make the network thread take a turn soon. One byte wakes it, however many ask before
-        it drains: a write wakes the thread, which then waits for the writer's GIL (a chunk
-        mixed while the next arrives asked ~25 times a round of 100 MB, each a thread switch)."""
+        it drains: each write wakes the thread, which then waits for the writer's GIL, and a
+        reader releasing chunks as it mixes them asks once a chunk."""
         if self._wake_pending:
             return
         self._wake_pending = True
