@@ -315,8 +315,13 @@ def _forked_machines(machines: int, target: Callable[..., None], *args: Any) -> 
     ]
     for process in processes:
         process.start()
+    outcomes: dict[tuple[int, int], Any] = {}
     try:
-        outcomes = {(o[0], o[1]): o[2] for o in (results.get(timeout=HANG_S) for _ in processes)}
+        for _ in processes:
+            machine, rank, outcome = results.get(timeout=HANG_S)
+            outcomes[machine, rank] = outcome
+            if isinstance(outcome, str):
+                break  # (the other ranks may wait on this one for ever: its failure is the news)
     finally:
         for process in processes:
             process.join(10)
