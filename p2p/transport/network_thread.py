@@ -210,7 +210,6 @@ class Transport:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._wake_pending = False  # a byte is in the pipe that the thread has not yet drained
         self._credits = CreditLedger(self._wake)
         self._context = zmq.Context()
         self.connections = Connections(
@@ -491,8 +490,6 @@ class Transport:
         if paced_ms is not None:  # sends wait for the send cap
             due_ms = min(due_ms, paced_ms)
         events = dict(self._poller.poll(0 if self._commands else max(0, due_ms)))
-        if self._wake_r in events:  # (first: whatever asks for a wake-up from here on, writes)
-            self._drain_wakeups()
         if self.inbound is not None and self.inbound.monitor in events:
             self._guarded("inbound", self.inbound.drain)
         if router is not None and router in events:
@@ -501,6 +498,8 @@ class Transport:
             self._drain_replies(target, connection)
         self._send_credits(router)
         self.connections.read_refusals(events)
+        if self._wake_r in events:
+            self._drain_wakeups()
         for fd, on_readable in self._readers.items():
             if fd in events:
                 self._guarded("reader", on_readable)
@@ -697,12 +696,6 @@ class Transport:
             self._guarded("command", self._commands.popleft())
 
     def _wake(self) -> None:
-        """Make the network thread take a turn soon. One byte wakes it, however many ask before
-        it drains: each write wakes the thread, which then waits for the writer's GIL, and a
-        reader releasing chunks as it mixes them asks once a chunk."""
-        if self._wake_pending:
-            return
-        self._wake_pending = True
         with contextlib.suppress(BlockingIOError):  # pipe full: the thread is awake anyway
             os.write(self._wake_w, b"\0")
 
@@ -710,9 +703,6 @@ class Transport:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
-        # after the pipe is empty and before the turn's work: an ask from here on writes again,
-        # and what an ask skipped before this queued its work first, for this turn to do
-        self._wake_pending = False
 
     def _close_context(self) -> None:
         if self._context.closed:
