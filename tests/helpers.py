@@ -32,7 +32,11 @@ second); speed targets are measured by bench/ scripts."""
 
 
 def addresses(count: int) -> list[str]:
-    return [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    return addresses_of(free_ports(count))
+
+
+def addresses_of(ports: list[int]) -> list[str]:
+    return [f"tcp://127.0.0.1:{port}" for port in ports]
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import HANG_S, addresses, wait_until
+from helpers import HANG_S, addresses_of, wait_until
 from host_mesh import HostMesh
 from torch.distributed.fsdp import fully_shard
 
@@ -298,19 +298,29 @@ def _finished(
 def _three_machines(runs: list[str], *, shard: bool = False) -> dict[tuple[int, int], dict[str, RankRun]]:
     """Every rank's runs: 3 machines of 2 ranks, forked, a gloo group per machine."""
     target = functools.partial(_machine_rank, shard=shard)
-    return _forked_machines(3, target, addresses(3), runs, Finish(len(runs)))
+    masters, listen = _machine_ports(3)
+    return _forked_machines(masters, target, addresses_of(listen), runs, Finish(len(runs)))
 
 
-def _forked_machines(machines: int, target: Callable[..., None], *args: Any) -> dict[tuple[int, int], Any]:
+def _machine_ports(machines: int, block: int = 1) -> tuple[list[int], list[int]]:
+    """Each machine's master port and the first of its ``block`` listen ports, all from one
+    pick (two picks could meet: the first's ports are free again when the second looks)."""
+    ports = free_ports(2 * machines, block=block)
+    return ports[:machines], ports[machines:]
+
+
+def _forked_machines(
+    masters: list[int], target: Callable[..., None], *args: Any
+) -> dict[tuple[int, int], Any]:
     """Run ``target(machine, rank, master_port, *args, results)`` in a forked process per rank
-    of ``machines`` machines of 2 ranks; each puts (machine, rank, outcome) in ``results``, a
-    traceback for its outcome when it failed. Returns the outcomes."""
+    of one machine of 2 ranks per port of ``masters`` (its gloo group's master port); each
+    puts (machine, rank, outcome) in ``results``, a traceback for its outcome when it failed.
+    Returns the outcomes."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    ports = free_ports(machines)
     processes = [
-        context.Process(target=target, args=(m, r, ports[m], *args, results))
-        for m in range(machines)
+        context.Process(target=target, args=(m, r, port, *args, results))
+        for m, port in enumerate(masters)
         for r in range(2)
     ]
     for process in processes:
@@ -465,7 +475,8 @@ def test_a_sharded_model_trains_as_the_whole_one_from_shards_the_flat_buffer_hol
     as on the whole model (FSDP's reduce-scatter averages the gradients, the optimizer adds
     none), what is written into it is what the next forward pass gathers (padded shards
     included), and a rank's state (parameters, moments) is its shard's."""
-    outcomes = _forked_machines(1, _sharded_rank, addresses(1))
+    masters, listen = _machine_ports(1)
+    outcomes = _forked_machines(masters, _sharded_rank, addresses_of(listen))
     (size_0, gap_0, gathered, output, restored_0, sizes_0, moments_0) = outcomes[0, 0]
     (size_1, gap_1, _, _, restored_1, sizes_1, moments_1) = outcomes[0, 1]
     assert (size_0, size_1) == (2 * 5 + 2 + 3 + 1, 5 + 1)  # rows 0-1 of 3 and row 0 of 1; rank 1: row 2
@@ -514,7 +525,8 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
     """The gradients are averaged as the backward pass ends (as DDP's), so a GradScaler finds
     rank 1's overflow on both ranks and both skip that step (a rank that stepped alone would
     wait in the allreduce for ever), and clipping sees the same gradients on both."""
-    outcomes = _forked_machines(1, _scaled_rank, addresses(1))
+    masters, listen = _machine_ports(1)
+    outcomes = _forked_machines(masters, _scaled_rank, addresses_of(listen))
     (scales, digests, steps), (scales_1, digests_1, steps_1) = outcomes[0, 0], outcomes[0, 1]
     assert scales == scales_1 == [1024.0] * 3 + [512.0] * 3  # the overflow halved the scale...
     assert steps == steps_1 == 5  # ...and step 3 was skipped on both ranks
@@ -565,8 +577,8 @@ def test_a_users_loop_under_torchrun_is_one_member_per_machine_with_a_session(tm
     """Two machines of two ranks, each rank a ``Session`` as under ``torchrun``: one member per
     machine, every rank its own data shard and the machine's one replica, the listen port + r
     for rank r, checkpoints from rank 0 only."""
-    ports = free_ports(2, block=2)
-    outcomes = _forked_machines(2, _session_rank, ports, tmp_path)
+    masters, ports = _machine_ports(2, block=2)
+    outcomes = _forked_machines(masters, _session_rank, ports, tmp_path)
     assert sorted(o[0] for o in outcomes.values()) == [(i, 4) for i in range(4)]
     for machine in range(2):
         (_, first, address), (_, second, rank_address) = outcomes[machine, 0], outcomes[machine, 1]
@@ -585,8 +597,8 @@ def test_a_users_loop_under_torchrun_shards_a_meta_model_with_session_shard(tmp_
     """``Session(..., shard=True)``: the model, made on the meta device, is sharded over the
     machine's ranks (never whole on one); each rank trains and gossips its half, and keeps the
     checkpoints of its half (rank 1 in ``STATE_DIR/rank-1``)."""
-    ports = free_ports(2, block=2)
-    outcomes = _forked_machines(2, functools.partial(_session_rank, shard=True), ports, tmp_path)
+    masters, ports = _machine_ports(2, block=2)
+    outcomes = _forked_machines(masters, functools.partial(_session_rank, shard=True), ports, tmp_path)
     for machine in range(2):
         for rank, folder in ((0, tmp_path / f"m{machine}"), (1, tmp_path / f"m{machine}" / "rank-1")):
             _, params, _ = outcomes[machine, rank]
@@ -622,7 +634,7 @@ def test_a_sharded_machine_resumes_from_the_newest_steps_every_rank_has(
     for rank, steps in enumerate(written):
         for step in steps:
             save_checkpoint(tmp_path / f"rank-{rank}", step, {"params": np.zeros(2)}, {"steps": step})
-    outcomes = _forked_machines(1, _checkpointed_rank, tmp_path)
+    outcomes = _forked_machines(free_ports(1), _checkpointed_rank, tmp_path)
     assert outcomes[0, 0] == outcomes[0, 1] == taken
 
 
