@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import HANG_S, average_in_threads, wait_until
+from helpers import HANG_S, SendsWhileWaitedFor, average_in_threads, wait_until
 
 from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, RobustRule, consensus_distance
 from gossip.algorithms import adpsgd as adpsgd_module
@@ -384,6 +384,29 @@ def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() 
         honest.send("node-0", "params", r, [np.full(2, 3.0)])
         averager.average()
     assert averager.round == 3 and averager.pace.rounds_skipped == 0
+
+
+@pytest.mark.parametrize("catch_up", [2, 0])
+def test_a_node_ahead_of_every_neighbour_waits_for_them_and_mixes_what_they_send(catch_up: int) -> None:
+    """A neighbour whose value of round 2 did not come is silent, not waited for: the node runs
+    on alone. Once it is more than ``catch_up`` rounds ahead of every neighbour (round 4, the
+    neighbour's newest value of round 1) its round waits for them, and mixes the value of round 3
+    that comes meanwhile (late by one: its weight halved); without catch_up the round ends at
+    once, mixing nothing."""
+    a, b = memory_mesh(2)
+    network = SendsWhileWaitedFor(a, lambda: b.send("node-0", "params", 3, [np.full(2, 11.0)]))
+    own = np.full(2, 1.0)
+    averager = DPSGD(network, own, topology=Topology.parse("ring"), round_timeout=0.2, catch_up=catch_up)
+    for r in range(2):
+        b.send("node-0", "params", r, [np.full(2, 3.0)])
+        averager.average()
+    assert averager.average().arrived == 0  # round 2: the neighbour's value does not come
+    assert averager.average().arrived == 0  # round 3: not waited for, 2 rounds ahead of it
+    np.testing.assert_allclose(own, 2.5)
+    network.armed = True
+    stats = averager.average()
+    assert stats.round == 4 and stats.arrived == (1 if catch_up else 0)
+    np.testing.assert_allclose(own, (2 * 2.5 + 11.0) / 3 if catch_up else 2.5)
 
 
 def paced_rounds(pace: Pace, rounds: range, lags: dict[str, float], step_s: float = 0.02) -> None:

@@ -224,15 +224,16 @@ class DPSGD(Averager):
         mix = RunningMix(self.params, self.layout, row.self_weight, self._scratch, self.lock)
         self._mixing = {}
         neighbours = set(row.receive_from)
-        waited = self._waited(neighbours)
-        self._expected = awaited = waited - self._silent
-        enough = min(self.backup, len(waited)) if self.backup else len(waited)
         early = self._early_pieces.pop(r, [])
         while early:
             self._take_piece(early.pop(0), r, row, mix)
-        waiting = {j for j in awaited if self._coming(j, r, mix)}
         started = self.peer.now()
-        deadline = started + self.wait_limit()
+        self._wait_while_ahead(self.pace, r, neighbours, lambda piece: self._take_piece(piece, r, row, mix))
+        waited = self._waited(neighbours)
+        self._expected = awaited = waited - self._silent
+        enough = min(self.backup, len(waited)) if self.backup else len(waited)
+        waiting = {j for j in awaited if self._coming(j, r, mix)}
+        deadline = self.peer.now() + self.wait_limit()
         timed_out = False
 
         def take(arrived: Envelope) -> None:
@@ -314,6 +315,7 @@ class DPSGD(Averager):
         """Neighbours' values for round r as (frames, age in rounds)."""
         got = self._early.pop(r, {})
         neighbours = set(row.receive_from)
+        self._wait_while_ahead(self.pace, r, neighbours, lambda message: self._file(message, r, got))
         waited = self._waited(neighbours)
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
         awaited = waited - self._silent

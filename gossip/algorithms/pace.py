@@ -29,7 +29,12 @@ was the one against which the neighbour's other neighbours looked late.
 
 The straggler itself sees its neighbours ahead of it: with ``catch_up=c`` it skips to the
 round after theirs once they are c or more rounds ahead (:meth:`Pace.skip_to`), instead of
-working through rounds they have left long ago.
+working through rounds they have left long ago. Its counterpart bounds running ahead: a node more
+than c rounds ahead of every neighbour (by the newest round each has sent a value of:
+:meth:`Pace.ahead`) waits for them before its round, taking what they send, until one of them
+is within c rounds or they fall silent. Such a node (one whose round waits gave up on values
+held back by slow links) otherwise stepped on alone, every value of its neighbours coming too
+many rounds old to be mixed.
 
 Behind a link that carries less than the node sends, its values would queue and each arrive
 older than the one before (up to 43 rounds old behind a 0.4 Mbit/s uplink of a local-steps
@@ -73,6 +78,7 @@ class Pace:
         self.passed_over = 0  # neighbour-rounds not waited for (stragglers)
         self.sends_held = 0  # values not sent: an earlier one to that neighbour was still leaving
         self.rounds_skipped = 0
+        self.rounds_waited_ahead = 0  # rounds begun by waiting for neighbours this node was ahead of
         self._sent_at: dict[int, float] = {}  # round -> when this node sent its value (in order)
         self._lags: dict[str, deque[float]] = {}
         self._steps: deque[float] = deque(maxlen=LAG_SAMPLES * 4)
@@ -133,6 +139,14 @@ class Pace:
         measure of the others')."""
         self.newest = {j: k for j, k in self.newest.items() if j in members}
         self._lags = {j: lags for j, lags in self._lags.items() if j in members}
+
+    def ahead(self, r: int, neighbours: Collection[str]) -> bool:
+        """Whether round ``r`` is more than ``catch_up`` rounds ahead of the newest value of
+        every one of ``neighbours`` (never, without ``catch_up``, or while one of them has sent
+        none: where it is is not known)."""
+        if not self.catch_up or not neighbours:
+            return False
+        return all(self.newest.get(j, r) < r - self.catch_up for j in neighbours)
 
     def moved_on(self, sender: str, r: int) -> bool:
         """Whether ``sender`` has sent a value of a round after ``r`` (its values come in order:
@@ -200,6 +214,7 @@ class Pace:
                 figures["sends_held"] = self.sends_held
         if self.catch_up:
             figures["rounds_skipped"] = self.rounds_skipped
+            figures["rounds_waited_ahead"] = self.rounds_waited_ahead
         return figures
 
 
