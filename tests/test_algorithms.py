@@ -187,7 +187,8 @@ def test_a_passive_gives_one_turn_at_a_time_and_a_new_ask_ends_its_askers_turn(
 ) -> None:
     """Served by hand (its exchanger stopped): the first ask gets the turn, the second waits;
     a request without the turn is refused and leaves the model as it was; the turn's holder
-    asking again (it gave its exchange up) gets the turn for the new one at once."""
+    asking again (it gave its exchange up) goes behind the one waiting, and gets its turn once
+    that one's answer has left; with no one else asking, it gets the new turn at once."""
     monkeypatch.setattr(adpsgd_module, "ASK_ABOVE_BYTES", 0)
     a, passive_peer, b = memory_mesh(3)
     passive = ADPSGD(passive_peer, own := np.ones(3), topology=Topology.parse("ring"))
@@ -207,21 +208,23 @@ def test_a_passive_gives_one_turn_at_a_time_and_a_new_ask_ends_its_askers_turn(
     assert turns(a) == [1] and turns(b) == []
     serve(PAIR_MODEL, "node-2", 1, (np.full(3, 5.0),))
     assert passive.dropped["pair_without_turn"] == 1 and np.array_equal(own, np.ones(3))
-    serve(PAIR_ASK, "node-0", 2)  # (node-0 gave exchange 1 up)
-    assert turns(a) == [2] and passive.dropped["pair_turn_unused"] == 1
+    serve(PAIR_ASK, "node-0", 2)  # (node-0 gave exchange 1 up: node-2 asked first)
+    assert turns(a) == [] and turns(b) == [1] and passive.dropped["pair_turn_unused"] == 1
     serve(PAIR_MODEL, "node-0", 1, (np.full(3, 5.0),))
     assert passive.dropped["pair_without_turn"] == 2 and np.array_equal(own, np.ones(3))
-    leaving = {"node-0": 1}  # (the answer to node-0 has not left yet)
+    leaving = {"node-2": 1}  # (the answer to node-2 has not left yet)
     monkeypatch.setattr(passive_peer, "backlog", lambda to: leaving.get(to, 0))
-    serve(PAIR_MODEL, "node-0", 2, (np.full(3, 5.0),))
+    serve(PAIR_MODEL, "node-2", 1, (np.full(3, 5.0),))
     np.testing.assert_array_equal(own, np.full(3, 3.0))  # the mean
-    answer = a.recv(0.01, (PAIR_DIFFERENCE,))
-    assert answer is not None and Exchange.decode(answer.meta).exchange == 2
+    answer = b.recv(0.01, (PAIR_DIFFERENCE,))
+    assert answer is not None and Exchange.decode(answer.meta).exchange == 1
     np.testing.assert_array_equal(answer.tensors[0], np.full(3, -2.0))  # (1 - 5) / 2
-    assert turns(b) == []  # one model's bytes at a time: node-2 waits for the answer to leave
+    assert turns(a) == []  # one model's bytes at a time: node-0 waits for the answer to leave
     leaving.clear()
     passive._give_turn()
-    assert turns(b) == [1]
+    assert turns(a) == [2]
+    serve(PAIR_ASK, "node-0", 3)  # (no one else asks: the new turn at once)
+    assert turns(a) == [3] and passive.dropped["pair_turn_unused"] == 2
 
 
 def test_dpsgd_drops_messages_beyond_the_staleness_bound_and_discounts_the_others() -> None:

@@ -159,16 +159,20 @@ class ADPSGD(Averager):
             self._give_turn()
 
     def _serve(self, message: Envelope) -> None:
-        """An active neighbour's ask (queued: its latest, at the back; or, from the one whose
-        turn it is, which has given that exchange up, its turn again at once) or request
-        (answered if it is the one whose turn it is; else counted and let go)."""
+        """An active neighbour's ask (queued: its latest, at the back) or request (answered if
+        it is the one whose turn it is; else counted and let go). The turn's holder asking again
+        has given its exchange up: its turn ends, and it has the new one at once only where no
+        one else asks (so no member can hold a passive by asking before each turn runs out)."""
         exchange = self._exchange_of(message)
         if exchange is None:
             return
         if message.kind == PAIR_ASK and self._turn is not None and self._turn[0] == message.sender:
             self.dropped["pair_turn_unused"] += 1
             self._turn = None
-            self._give(message.sender, exchange)
+            if self._asks:
+                self._asks[message.sender] = exchange
+            else:
+                self._give(message.sender, exchange)
         elif message.kind == PAIR_ASK:
             self._asks.pop(message.sender, None)
             self._asks[message.sender] = exchange
