@@ -65,10 +65,12 @@ def _stragglers_doc(also: str = "") -> str:
 
 _CATCH_UP_DOC = (
     f"`catch_up` ({CATCH_UP} with `stragglers=tolerate` on a static graph, else 0 = never): a node "
-    "that hears its neighbours that many rounds ahead skips to the round after theirs (a straggler "
-    "otherwise falls ever further behind and mixes values long gone by; the report's "
-    "`staleness.rounds_skipped`; its step count moves on with them, `staleness.steps_skipped`, "
-    "so a `--steps` budget ends it with the mesh"
+    "that hears its neighbours that many rounds ahead skips to the round after theirs, and one "
+    "more than that many rounds ahead of every neighbour waits for them before its round (a "
+    "straggler otherwise falls ever further behind and mixes values long gone by, and a node ahead "
+    "of all steps on alone; the report's `staleness.rounds_skipped` and "
+    "`staleness.rounds_waited_ahead`; its step count moves on with the rounds skipped, "
+    "`staleness.steps_skipped`, so a `--steps` budget ends it with the mesh"
 )
 FAMILIES: dict[str, AlgorithmFamily] = {
     family.averager.name: family
