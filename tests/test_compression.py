@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import SendsWhileWaitedFor, average_in_threads, full_waits, run_together
+from helpers import average_in_threads, full_waits, run_together
 
 from gossip import (
     CHOCO,
@@ -496,30 +496,6 @@ def test_choco_adds_updates_to_its_sum_as_their_pieces_arrive(stragglers: str, r
     if stragglers == "wait":
         for whole, pieces in zip(*results, strict=True):
             np.testing.assert_allclose(pieces, whole, rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("catch_up", [2, 0])
-def test_a_choco_node_ahead_of_every_neighbour_waits_for_them_and_takes_what_they_send(catch_up: int) -> None:
-    """node-0 goes on alone once node-1's round-2 update does not come (node-1 silent); 3 rounds
-    ahead of node-1's newest update, its round 4 waits for node-1, whose updates of rounds 2 and
-    3 come meanwhile: it mixes node-1's replica at round 3. Without catch_up that round does not
-    wait: the replica stays at round 1."""
-    network = MemoryNetwork()
-    b = network.join("node-1")
-    behind = CHOCO(b, vector(1, 300), topology=Topology.parse("ring"), codec=Codec.parse("int8"),
-                   round_timeout=5.0, catch_up=0)  # fmt: skip
-    a = SendsWhileWaitedFor(network.join("node-0"), lambda: [behind.after_step() for _ in range(2)])
-    ahead = CHOCO(a, vector(0, 300), topology=Topology.parse("ring"), codec=Codec.parse("int8"),
-                  round_timeout=5.0, catch_up=catch_up)  # fmt: skip
-    run_together((lambda c=c: [c.after_step() for _ in range(2)]) for c in (ahead, behind))
-    ahead.round_timeout = 0.2
-    ahead.after_step()  # round 2: node-1's update does not come
-    assert ahead._replicas["node-1"].next_round == 2
-    assert ahead.after_step().expected == 0  # round 3: node-1 is not waited for
-    a.armed = True
-    stats = ahead.after_step()
-    assert stats.round == 4 and stats.expected == (1 if catch_up else 0)
-    assert ahead._replicas["node-1"].next_round == (4 if catch_up else 2)
 
 
 def test_a_bad_piece_refuses_its_update_and_the_sum_starts_again() -> None:

@@ -20,14 +20,13 @@ import contextlib
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import numpy as np
 
-from gossip.algorithms.pace import Pace
 from gossip.algorithms.robust import RobustRule
 from gossip.buffers.pieces import RunningMix, Segments
 from gossip.buffers.vector import Layout, SendCopy, all_finite, scratch_for
@@ -277,17 +276,6 @@ class Averager:
             return False
         take(message)
         return True
-
-    def _wait_while_ahead(
-        self, pace: Pace, r: int, neighbours: Collection[str], take: Callable[[Envelope], None]
-    ) -> None:
-        """Before round ``r``, while this node is ahead of every one of ``neighbours`` (see
-        ``Pace.ahead``), hand what comes to ``take``; given up once nothing comes for a wait
-        limit (they are silent) or the membership changes."""
-        if pace.ahead(r, neighbours):
-            pace.rounds_waited_ahead += 1
-        while pace.ahead(r, neighbours) and self._receive(self.wait_limit(), self.kinds, take):
-            pass
 
     def _time_round(self) -> None:
         now = self.peer.now()

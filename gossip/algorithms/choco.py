@@ -245,7 +245,6 @@ class CHOCO(Averager):
         self._release_held()
         for j in row.receive_from:  # (a replica with no start asks once j's q's show it: _take)
             self._catch_up(j, self._replicas.setdefault(j, Replica()), r)
-        self._wait_while_ahead(self.pace, r, row.receive_from.keys(), self._take)
         expected = set(row.receive_from) - self._silent - self.pace.stragglers(row.receive_from)
         deadline = self.peer.now() + self.wait_limit()
         while True:

@@ -33,7 +33,10 @@ then mixes their newest values and sends in time for their rounds again, rather 
 long gone by (or none: past ``max_rounds_ahead`` they are dropped). The rounds it skips it neither
 sends nor mixes; the others mix what they have, so, as with backup workers and stragglers not
 waited for, each row still sums to one but the columns no longer do: the mean is no longer kept
-exactly (the fast nodes' models weigh more in it).
+exactly (the fast nodes' models weigh more in it). The other way round, a node more than c rounds
+ahead of every neighbour whose last round mixed none of their values (its waits gave up on them,
+and what came later was too old to mix) waits for them before its next round
+(``gossip.algorithms.pace``).
 
 Overlap (``overlap=1``): round r sends x_i as usual but mixes the values of round r - 1, which
 were sent a whole round (a step, or H local steps) ago and are usually in by now, so the
@@ -62,7 +65,7 @@ arrived. The others hold each neighbour's value whole until the round mixes.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -92,7 +95,8 @@ class DPSGD(Averager):
     overlap: 1: mix the values of the previous round (see above); 0: of this round.
     max_rounds_ahead: how far ahead of this node a neighbour's message may be and still be kept.
     exact_every: every this many rounds, a round on the complete graph (see above); 0: never.
-    catch_up: skip ahead when the neighbours are this many rounds ahead (see above); 0: never;
+    catch_up: skip ahead when the neighbours are this many rounds ahead, wait when this many
+        rounds ahead of them and alone (see above); 0: never;
         None: ``pace.CATCH_UP`` when tolerating stragglers without overlap on a static graph,
         else never.
     robust: a Byzantine-robust rule that replaces the weighted mean (see ``gossip.algorithms.robust``).
@@ -143,6 +147,8 @@ class DPSGD(Averager):
         self._mixing: dict[str, int] = {}  # neighbour -> the round of its value this round mixes
         self._expected: set[str] = set()  # the neighbours whose value of this round is waited for
         self._held_over: list[Envelope] = []  # pieces of the round before the one skipped to
+        self._alone = False  # whether the last round mixed none of the neighbours' values
+        self.rounds_waited_ahead = 0  # rounds begun by waiting for neighbours it was ahead of
 
     @classmethod
     def piece_kinds(cls, options: Mapping[str, Any]) -> tuple[str, ...]:
@@ -158,7 +164,8 @@ class DPSGD(Averager):
         self._sent.clear()
 
     def report(self) -> dict[str, float]:
-        return {**super().report(), **self.pace.report()}
+        ahead = {"rounds_waited_ahead": self.rounds_waited_ahead} if self.pace.catch_up else {}
+        return {**super().report(), **self.pace.report(), **ahead}
 
     def average(self) -> RoundStats:
         """One gossip round: send, gather (bounded), mix (this round's values, or with overlap
@@ -197,6 +204,7 @@ class DPSGD(Averager):
         started = self.peer.now()
         values = self._gather(mixed, row)
         wait_s = self.peer.now() - started
+        self._alone = bool(row.receive_from) and not values
         with self.lock:
             self._mix(own, row, values)
             if self.overlap:  # x <- x_now + γ (mix(x') - x'), in place
@@ -228,7 +236,7 @@ class DPSGD(Averager):
         while early:
             self._take_piece(early.pop(0), r, row, mix)
         started = self.peer.now()
-        self._wait_while_ahead(self.pace, r, neighbours, lambda piece: self._take_piece(piece, r, row, mix))
+        self._wait_while_ahead(r, neighbours, lambda piece: self._take_piece(piece, r, row, mix))
         waited = self._waited(neighbours)
         self._expected = awaited = waited - self._silent
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
@@ -267,6 +275,7 @@ class DPSGD(Averager):
         for j in awaited - mix.senders:
             self.pace.not_in(j, r)
         wait_s = self.peer.now() - started
+        self._alone = bool(neighbours) and not neighbours & mix.senders
         return RoundStats(r, len(neighbours), len(neighbours & mix.senders), wait_s, row.topology)
 
     def _coming(self, sender: str, r: int, mix: RunningMix) -> bool:
@@ -302,6 +311,18 @@ class DPSGD(Averager):
                     self.staleness.add(age)
                     self._accepted(message)
 
+    def _wait_while_ahead(self, r: int, neighbours: set[str], take: Callable[[Envelope], None]) -> None:
+        """Before round ``r`` of a node whose last round mixed none of its neighbours' values,
+        while it is ahead of every one of them (``Pace.ahead``), hand what comes to ``take``;
+        given up once nothing comes for a wait limit (they are silent) or the membership
+        changes. A node ahead that mixes their late values (within their age bound, as one
+        taking local steps, whose rounds are rarer, does) gains nothing by waiting."""
+        if not (self._alone and self.pace.ahead(r, neighbours)):
+            return
+        self.rounds_waited_ahead += 1
+        while self.pace.ahead(r, neighbours) and self._receive(self.wait_limit(), self.kinds, take):
+            pass
+
     def _waited(self, neighbours: set[str]) -> set[str]:
         """The neighbours this round waits for: all but the measured stragglers."""
         return neighbours - self.pace.stragglers(neighbours)
@@ -315,7 +336,7 @@ class DPSGD(Averager):
         """Neighbours' values for round r as (frames, age in rounds)."""
         got = self._early.pop(r, {})
         neighbours = set(row.receive_from)
-        self._wait_while_ahead(self.pace, r, neighbours, lambda message: self._file(message, r, got))
+        self._wait_while_ahead(r, neighbours, lambda message: self._file(message, r, got))
         waited = self._waited(neighbours)
         enough = min(self.backup, len(waited)) if self.backup else len(waited)
         awaited = waited - self._silent

@@ -29,12 +29,12 @@ was the one against which the neighbour's other neighbours looked late.
 
 The straggler itself sees its neighbours ahead of it: with ``catch_up=c`` it skips to the
 round after theirs once they are c or more rounds ahead (:meth:`Pace.skip_to`), instead of
-working through rounds they have left long ago. Its counterpart bounds running ahead: a node more
-than c rounds ahead of every neighbour (by the newest round each has sent a value of:
-:meth:`Pace.ahead`) waits for them before its round, taking what they send, until one of them
-is within c rounds or they fall silent. Such a node (one whose round waits gave up on values
-held back by slow links) otherwise stepped on alone, every value of its neighbours coming too
-many rounds old to be mixed.
+working through rounds they have left long ago. Its counterpart bounds running ahead (in
+D-PSGD): a node more than c rounds ahead of every neighbour (by the newest round each has sent a
+value of: :meth:`Pace.ahead`) whose last round mixed none of their values waits for them before
+its round, taking what they send, until one of them is within c rounds or they fall silent.
+Such a node (one whose round waits gave up on values held back by slow links) otherwise stepped
+on alone, every value of its neighbours coming too many rounds old to be mixed.
 
 Behind a link that carries less than the node sends, its values would queue and each arrive
 older than the one before (up to 43 rounds old behind a 0.4 Mbit/s uplink of a local-steps
@@ -78,7 +78,6 @@ class Pace:
         self.passed_over = 0  # neighbour-rounds not waited for (stragglers)
         self.sends_held = 0  # values not sent: an earlier one to that neighbour was still leaving
         self.rounds_skipped = 0
-        self.rounds_waited_ahead = 0  # rounds begun by waiting for neighbours this node was ahead of
         self._sent_at: dict[int, float] = {}  # round -> when this node sent its value (in order)
         self._lags: dict[str, deque[float]] = {}
         self._steps: deque[float] = deque(maxlen=LAG_SAMPLES * 4)
@@ -214,7 +213,6 @@ class Pace:
                 figures["sends_held"] = self.sends_held
         if self.catch_up:
             figures["rounds_skipped"] = self.rounds_skipped
-            figures["rounds_waited_ahead"] = self.rounds_waited_ahead
         return figures
 
 

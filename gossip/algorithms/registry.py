@@ -65,12 +65,10 @@ def _stragglers_doc(also: str = "") -> str:
 
 _CATCH_UP_DOC = (
     f"`catch_up` ({CATCH_UP} with `stragglers=tolerate` on a static graph, else 0 = never): a node "
-    "that hears its neighbours that many rounds ahead skips to the round after theirs, and one "
-    "more than that many rounds ahead of every neighbour waits for them before its round (a "
-    "straggler otherwise falls ever further behind and mixes values long gone by, and a node ahead "
-    "of all steps on alone; the report's `staleness.rounds_skipped` and "
-    "`staleness.rounds_waited_ahead`; its step count moves on with the rounds skipped, "
-    "`staleness.steps_skipped`, so a `--steps` budget ends it with the mesh"
+    "that hears its neighbours that many rounds ahead skips to the round after theirs (a straggler "
+    "otherwise falls ever further behind and mixes values long gone by; the report's "
+    "`staleness.rounds_skipped`; its step count moves on with them, `staleness.steps_skipped`, "
+    "so a `--steps` budget ends it with the mesh"
 )
 FAMILIES: dict[str, AlgorithmFamily] = {
     family.averager.name: family
@@ -104,7 +102,9 @@ FAMILIES: dict[str, AlgorithmFamily] = {
                 "that many rounds, a round on the complete graph of the round's members, after which the "
                 "models equal their average when every value came (periodic global averaging, Chen et al. "
                 "2021; n - 1 models sent that round); "
-                f"{_CATCH_UP_DOC}; not with `overlap`)"
+                f"{_CATCH_UP_DOC}; not with `overlap`); and a node more than that many rounds ahead of "
+                "every neighbour whose last round mixed none of their values waits for them before "
+                "its next round (`staleness.rounds_waited_ahead`)"
             ),
             renamed={"staleness": "max_staleness"},
         ),
