@@ -257,21 +257,3 @@ def connected(
     finally:
         sender.close()
         receiver.close()
-
-
-class SendsWhileWaitedFor:
-    """A node's network on which ``send`` runs (a neighbour's message) the first time the node
-    waits for a message (a receive with a timeout) once ``armed``."""
-
-    def __init__(self, peer: Any, send: Callable[[], None]) -> None:
-        self._peer, self._send = peer, send
-        self.armed = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._peer, name)
-
-    def recv(self, timeout: float, kinds: Any) -> Any:
-        if self.armed and timeout > 0:
-            self.armed = False
-            self._send()
-        return self._peer.recv(timeout, kinds)

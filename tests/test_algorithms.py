@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import HANG_S, SendsWhileWaitedFor, average_in_threads, wait_until
+from helpers import HANG_S, average_in_threads, wait_until
 
 from gossip import ADPSGD, DPSGD, SGP, Algorithm, IncompatibleOptionsError, RobustRule, consensus_distance
 from gossip.algorithms import adpsgd as adpsgd_module
@@ -387,6 +387,24 @@ def test_one_neighbour_naming_a_round_far_ahead_does_not_throw_a_node_forward() 
         honest.send("node-0", "params", r, [np.full(2, 3.0)])
         averager.average()
     assert averager.round == 3 and averager.pace.rounds_skipped == 0
+
+
+class SendsWhileWaitedFor:
+    """A node's network on which ``send`` runs (a neighbour's message) the first time the node
+    waits for a message (a receive with a timeout) once ``armed``."""
+
+    def __init__(self, peer: Any, send: Callable[[], None]) -> None:
+        self._peer, self._send = peer, send
+        self.armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+    def recv(self, timeout: float, kinds: Any) -> Any:
+        if self.armed and timeout > 0:
+            self.armed = False
+            self._send()
+        return self._peer.recv(timeout, kinds)
 
 
 @pytest.mark.parametrize("catch_up", [2, 0])
