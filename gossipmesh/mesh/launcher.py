@@ -121,7 +121,11 @@ class Mesh:
         keys = self.run_dir / "keys" / node_id
         public, _ = keygen(keys, node_id)
         self.trusted.mkdir(exist_ok=True)
-        shutil.copy(public, self.trusted)
+        # Whole or not at all: running nodes re-read the folder when it changes, and one that
+        # read a half-written key refused the joiner's first connection.
+        staged = self.trusted / f".{public.name}.part"
+        shutil.copy(public, staged)
+        staged.replace(self.trusted / public.name)
         return ["--keys", str(keys), "--trusted", str(self.trusted)]
 
     def training(self) -> bool:
