@@ -37,6 +37,17 @@ def curve_for(folder: Path, name: str, trusted: Path) -> Curve:
     return Curve.load(folder / "keys" / name, trusted, name)
 
 
+def keys_b_trusts_and_a_does_not(folder: Path) -> tuple[Path, Path, Path]:
+    """Key pairs for a and b; the folders a trusts (a's key) and b trusts (both), and b's
+    public key."""
+    trusted_by_a = make_keys(folder, "a")
+    trusted_by_b = folder / "trusted-b"
+    shutil.copytree(trusted_by_a, trusted_by_b)
+    public, _ = keygen(folder / "keys" / "b", "b")
+    shutil.copy(public, trusted_by_b)
+    return trusted_by_a, trusted_by_b, public
+
+
 @contextmanager
 def curve_peers(folder: Path, names: list[str], trusted: Path) -> Iterator[list[Peer]]:
     listen = addresses(len(names))
@@ -155,14 +166,32 @@ def test_an_untrusted_peer_gets_no_frame_through_until_its_key_is_trusted(tmp_pa
         assert wait_until(lambda: honest.members() == newcomer.members() == {"a", "b"})
 
 
+def test_a_connection_refused_before_its_key_was_trusted_is_dialed_again(tmp_path: Path) -> None:
+    """ZeroMQ never redials a connection whose handshake the peer refused: the transport does.
+    b sends to a under a's key (as to a member) before a trusts b, then after."""
+    trusted_by_a, trusted_by_b, public = keys_b_trusts_and_a_does_not(tmp_path)
+    key_of_a = NodeKeys.load(tmp_path / "keys" / "a", "a").public.decode()
+    with (
+        started_transport("a", curve=curve_for(tmp_path, "a", trusted_by_a)) as a,
+        started_transport("b", curve=curve_for(tmp_path, "b", trusted_by_b)) as b,
+    ):
+        sent = iter(range(10**6))
+
+        def delivered() -> bool:
+            b.send(a.address, "note", next(sent), key=key_of_a, member=True)
+            return a.recv(0.05) is not None
+
+        assert wait_until(lambda: b.connections.refused[a.address] >= 1 or delivered())
+        assert a.stats.messages_received == 0
+        shutil.copy(public, trusted_by_a)
+        assert wait_until(delivered)
+        assert b.connections.refused[a.address] >= 1
+
+
 def test_a_refused_key_is_named_on_both_sides(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """b's key is not in a's trusted folder: a logs b's key and its folder; b gives up on its
     start, before its (long) timeout, saying which file to copy where."""
-    trusted_by_a = make_keys(tmp_path, "a")
-    trusted_by_b = tmp_path / "trusted-b"
-    shutil.copytree(trusted_by_a, trusted_by_b)
-    public, _ = keygen(tmp_path / "keys" / "b", "b")
-    shutil.copy(public, trusted_by_b)
+    trusted_by_a, trusted_by_b, public = keys_b_trusts_and_a_does_not(tmp_path)
     key_of_b = NodeKeys.load(tmp_path / "keys" / "b", "b").public.decode()
     a_address, b_address = addresses(2)
     a = Peer("a", a_address, curve=curve_for(tmp_path, "a", trusted_by_a))

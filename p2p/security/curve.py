@@ -11,8 +11,9 @@ The trusted folder is re-read whenever its listing changes (a key file added, re
 replaced), at the next handshake: no restart is needed. A handshake costs one ``stat`` of the
 folder (a file added or removed changes its time); the files themselves are listed and
 compared (a key replaced in place) at most once per ``RESCAN_S``, so a flood of handshakes
-costs little. A refused handshake is final for the connection that tried it (ZeroMQ does not
-retry it), so a key must be trusted from the moment it is added.
+costs little. ZeroMQ never redials a connection whose handshake was refused; the dialer does,
+at its next message to that peer and at most once a second (``p2p.transport.connections``), so a
+key trusted after its node started admits it within about a second.
 Revoking a key refuses new connections from it; a connection already open stays until it drops.
 Refused handshakes are counted and logged at most once per key every 10 s.
 """

@@ -10,7 +10,11 @@ A connection is named by the address it dials *and* the key it expects there, so
 another key for an address (from a beacon, from a member record) opens another connection and
 never touches a working one. An address whose key is not known yet (a bootstrap address) is
 dialed once per trusted key, of which only the right one completes; such unverified
-connections are few (``max_unverified``) and short-lived (``unverified_s``).
+connections are few (``max_unverified``) and short-lived (``unverified_s``). A handshake the
+peer refuses (its trusted folder lacks this node's key) ends that connection for good: ZeroMQ
+never redials it. It is closed and dialed again by the next message sent to it, at most once per
+``REFUSED_RETRY_S``: a key trusted after its node started (copied in by hand, or half-written
+when first read) admits that node's connections within about that.
 
 A message sent on a member's connection that has not come up yet (ZeroMQ would drop it: every
 socket has ZMQ_IMMEDIATE) waits for it, up to ``HANDSHAKE_S`` and ``MAX_WAITING`` messages, so the
@@ -55,6 +59,7 @@ MAX_CONNECTIONS = 512
 MAX_UNVERIFIED = 64  # sockets to addresses whose key is not known (bootstrap, beacon) at once
 IDLE_S = 120.0
 UNVERIFIED_S = 10.0
+REFUSED_RETRY_S = 1.0  # a connection whose handshake was refused is dialed again after this
 CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: dial, then speak
 HANDSHAKE_S = 2.0  # what is sent on a new connection waits this long for it to come up...
 MAX_WAITING = 32  # ...this many messages per connection
@@ -87,6 +92,7 @@ class Connection:
     route: bytes | None = None  # ...along this routing id (None: none heard yet)
     # CURVE: the peer's ZAP handler refusing this node's key reaches a client only as an event
     monitor: zmq.Socket[bytes] | None = None
+    refused_at: float | None = None  # when the peer refused its handshake (then it is dead)
 
     def send(self, frames: list[Any]) -> None:
         """Send without blocking: ``zmq.Again`` when the peer's queue is full (or a route is
@@ -162,7 +168,7 @@ class Connections:
         self._open: OrderedDict[Target, Connection] = OrderedDict()  # least recently used first
         self.evicted = 0
         self.refused: Counter[str] = Counter()  # handshakes refused for this node's key, by address
-        self._monitored: dict[zmq.Socket[bytes], str] = {}  # a DEALER's monitor -> its address
+        self._monitored: dict[zmq.Socket[bytes], Target] = {}  # a DEALER's monitor -> its target
 
     def __len__(self) -> int:
         return len(self._open)
@@ -190,11 +196,16 @@ class Connections:
         return [(address, raw, 0)] if self._curve.trusted.allows(raw) else []
 
     def get(self, target: Target, *, verified: bool) -> Connection | None:
-        """The connection to ``target``, dialed now if there is none (None: an ``inbound://``
-        target that is not a member's, with no route back); marks it used. A member's messages
-        to an ``inbound://`` target wait for its route as they wait for a handshake."""
+        """The connection to ``target``, dialed now if there is none or its handshake was
+        refused ``REFUSED_RETRY_S`` ago (None: an ``inbound://`` target that is not a member's,
+        with no route back); marks it used. A member's messages to an ``inbound://`` target
+        wait for its route as they wait for a handshake."""
         now = self._clock()
         connection = self.find(target)
+        refused_at = connection.refused_at if connection is not None else None
+        if refused_at is not None and now - refused_at >= REFUSED_RETRY_S:
+            self._close(target, linger_ms=0)
+            connection = None
         if connection is None and inbound_id(target[0]) is not None:
             connection = self._routed(target, verified, now)
             if connection is None:
@@ -272,16 +283,18 @@ class Connections:
         return [(t, c) for t, c in self._open.items() if events.get(c.socket, 0) & zmq.POLLIN]
 
     def read_refusals(self, events: dict[Any, int]) -> None:
-        """Count the handshakes that peers refused for this node's key (their --trusted lacks it)."""
+        """Count the handshakes that peers refused for this node's key (their --trusted lacks
+        it), and mark their connections for redialing."""
         for socket in events:
-            address = self._monitored.get(socket)
-            while address is not None:
+            target = self._monitored.get(socket)
+            while target is not None:
                 try:
                     event = recv_monitor_message(socket, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    self.refused[address] += 1
+                    self.refused[target[0]] += 1
+                    self._open[target].refused_at = self._clock()
 
     def forget_route(self, target: Target) -> None:
         """The route to an ``inbound://`` target failed: its connection has closed."""
@@ -333,7 +346,7 @@ class Connections:
         if self._curve is not None:
             configure_client(socket, self._curve.keys, key)
             monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            self._monitored[monitor] = address
+            self._monitored[monitor] = target
             self._poller.want(monitor, zmq.POLLIN)
         lane_suffix = f"/{lane}" if lane else ""  # (the receiver keeps each lane's seqs apart)
         socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}{lane_suffix}".encode())
