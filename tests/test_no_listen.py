@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,25 @@ from topologies import Topology
 from topologies.members import mixing_row
 
 
+@contextmanager
+def listeners_and_one_behind_nat(folder: Path) -> Iterator[tuple[Peer, Peer, Peer]]:
+    """Members a and b, which listen, and c, which does not (CURVE on), all three joined."""
+    trusted = make_keys(folder, "a", "b", "c")
+    listen = addresses(2)
+    a = Peer("a", listen[0], curve=curve_for(folder, "a", trusted))
+    b = Peer("b", listen[1], listen[:1], curve=curve_for(folder, "b", trusted))
+    c = Peer("c", None, listen[:1], curve=curve_for(folder, "c", trusted))
+    try:
+        for peer in (a, b, c):
+            peer.start()
+        for peer in (a, b, c):
+            peer.wait_ready(HANG_S, expect=3)
+        yield a, b, c
+    finally:
+        for peer in (a, b, c):
+            peer.close()
+
+
 def _record(peer: Peer, node_id: str) -> Member | None:
     return next((m for m in peer.membership.view if m.id == node_id), None)
 
@@ -25,16 +46,7 @@ def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp
     """Two listening members and one that does not (CURVE on): all three see one another, both
     listeners reach it (a message, and a stream of chunks larger than any single message)
     along the routes its connections opened, it reaches both; killed, it is detected dead."""
-    trusted = make_keys(tmp_path, "a", "b", "c")
-    listen = addresses(2)
-    a = Peer("a", listen[0], curve=curve_for(tmp_path, "a", trusted))
-    b = Peer("b", listen[1], listen[:1], curve=curve_for(tmp_path, "b", trusted))
-    c = Peer("c", None, listen[:1], curve=curve_for(tmp_path, "c", trusted))
-    try:
-        for peer in (a, b, c):
-            peer.start()
-        for peer in (a, b, c):
-            peer.wait_ready(HANG_S, expect=3)
+    with listeners_and_one_behind_nat(tmp_path) as (a, b, c):
         assert c.transport.address == "inbound://c"
         assert wait_until(lambda: all(_record(p, "c") is not None for p in (a, b)))
         assert [_record(p, "c").reachable for p in (a, b)] == [False, False]  # type: ignore[union-attr]
@@ -57,9 +69,32 @@ def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp
             "b": Status.ALIVE,
             "c": Status.DEAD,
         }
-    finally:
-        for peer in (a, b, c):
-            peer.close()
+
+
+def test_a_listener_with_a_route_back_reads_what_its_router_holds_as_the_routers(tmp_path: Path) -> None:
+    """A route back to a member that does not listen goes over the listener's ROUTER; what the
+    ROUTER holds is read as the ROUTER's input, never as that route's (it was: messages of
+    other members read without their routing frame, rejected in the routed member's name)."""
+    with listeners_and_one_behind_nat(tmp_path) as (a, b, c):
+        a.send("c", "params", 0, [np.ones(4, np.float32)])  # a's route back to c is open
+        got = c.recv(HANG_S, {"params"})
+        assert got is not None and got.sender == "a"
+        burst = 1000  # (more than the ROUTER is read in one turn)
+        for round in range(burst):
+            for sender in (b, c):
+                sender.send("a", "params", round, [np.full(4, round, np.float32)])
+        rounds: list[int] = []
+
+        def all_came() -> bool:
+            while (message := a.recv(0.1, {"params"})) is not None:
+                assert message.tensors[0][0] == message.round
+                rounds.append(message.round)
+            dropped = sum(p.stats.dropped["peer_unreachable_or_full"] for p in (b, c))
+            return len(rounds) + dropped >= 2 * burst or bool(a.stats.rejected)
+
+        assert wait_until(all_came)
+        assert a.stats.rejected == {}
+        assert len(rounds) > burst
 
 
 def test_a_trusted_key_claiming_the_id_of_a_member_behind_nat_does_not_get_its_messages(

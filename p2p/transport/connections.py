@@ -277,10 +277,14 @@ class Connections:
         return connection
 
     def readable(self, events: dict[Any, int]) -> list[tuple[Target, Connection]]:
-        """The DEALERs that have input (only on a node that does not listen)."""
+        """The DEALERs that have input (where they are read: see ``receives``). A routed
+        connection's socket is the ROUTER, which the transport reads on its own: what it holds
+        is not that connection's."""
         if not self._receives:
             return []
-        return [(t, c) for t, c in self._open.items() if events.get(c.socket, 0) & zmq.POLLIN]
+        return [
+            (t, c) for t, c in self._open.items() if not c.routed and events.get(c.socket, 0) & zmq.POLLIN
+        ]
 
     def read_refusals(self, events: dict[Any, int]) -> None:
         """Count the handshakes that peers refused for this node's key (their --trusted lacks
