@@ -64,15 +64,19 @@ CONNECT_GRACE_S = 0.05  # a new connection drops what is sent before it is up: d
 HANDSHAKE_S = 2.0  # what is sent on a new connection waits this long for it to come up...
 MAX_WAITING = 32  # ...this many messages per connection
 MAX_WAITING_UNVERIFIED = 4  # ...and on a connection to an address not known as a member's
-HEARTBEAT_MS = 1000
-# How long a connection may hear nothing before it is closed. Not seconds: a DEALER hears its
-# peer only as PONGs, which answer its PINGs once they are read, behind the chunk being sent and
-# the kernel's send buffer (~12 MB: 10 s on a 10 Mbit/s link); and on a congested link one of
-# several TCP connections can stall for seconds in retransmission backoff: a short timeout drops
-# connections mid-stream on slow or shared links. A crashed peer's connection closes at once
-# anyway (its host resets it), a silent one within this; membership's probes find dead members
-# in seconds.
-HEARTBEAT_TIMEOUT_MS = 30_000
+# How long a connection to a peer that went silent (a crashed host, a partition) stays open: the
+# kernel closes it, by TCP keepalive probes once it is idle for KEEPALIVE_IDLE_S and by the time
+# sent data may go unacknowledged (TCP_USER_TIMEOUT). Not seconds: on a congested link one of
+# several TCP connections can stall for seconds in retransmission backoff, and a short timeout
+# drops connections mid-stream on slow or shared links. A crashed peer's connection closes at
+# once anyway (its host resets it); membership's probes find dead members in seconds. Not
+# ZeroMQ's heartbeats: their timer writes on a connection whose input stopped (a full receive
+# queue) after its peer reset it, and libzmq 4.3.5 aborts the process (`!_io_error`, as in
+# zeromq/libzmq#3937 and #4767): reproduced at the end of runs on slow links, when neighbours
+# left; and they close a healthy connection whose input is held back, its pings unread.
+SILENT_TIMEOUT_S = 30
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
 MAX_ROUTES = MAX_CONNECTIONS  # routes back to senders that may not listen
 
 Target = tuple[str, bytes, int]  # (address, server key, lane); the key is b"" without CURVE
@@ -355,9 +359,7 @@ class Connections:
         lane_suffix = f"/{lane}" if lane else ""  # (the receiver keeps each lane's seqs apart)
         socket.setsockopt(zmq.ROUTING_ID, f"{self._node_id}/{secrets.token_hex(8)}{lane_suffix}".encode())
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection: a dead peer drops
-        # a connection that goes silent (a partition, a crashed host) is dropped and redialed
-        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        close_when_silent(socket)  # (then the DEALER dials again)
         socket.setsockopt(zmq.SNDHWM, LANE_QUEUE if lane else self._send_queue)
         socket.setsockopt(zmq.LINGER, self._linger_ms)
         connection = Connection(socket, now, now, verified, monitor=monitor)
@@ -389,6 +391,15 @@ class Connections:
             connection.socket.disable_monitor()
             connection.monitor.close(linger=0)
         connection.socket.close(linger=linger_ms)
+
+
+def close_when_silent(socket: zmq.Socket[bytes]) -> None:
+    """Have the kernel close ``socket``'s connections to a peer silent for ``SILENT_TIMEOUT_S``."""
+    socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    socket.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    socket.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+    socket.setsockopt(zmq.TCP_KEEPALIVE_CNT, (SILENT_TIMEOUT_S - KEEPALIVE_IDLE_S) // KEEPALIVE_INTERVAL_S)
+    socket.setsockopt(zmq.TCP_MAXRT, SILENT_TIMEOUT_S * 1000)  # (TCP_USER_TIMEOUT: unacknowledged data)
 
 
 def _route_key(target: Target) -> tuple[str, str]:

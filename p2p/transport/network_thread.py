@@ -59,13 +59,12 @@ from p2p.security.identities import Identities
 from p2p.security.ratelimit import QuietLog
 from p2p.transport.connections import (
     CONNECT_GRACE_S,
-    HEARTBEAT_MS,
-    HEARTBEAT_TIMEOUT_MS,
     MAX_LANES,
     Connection,
     Connections,
     RouteClosedError,
     Target,
+    close_when_silent,
     usable_at,
 )
 from p2p.transport.credits import CREDIT, CreditLedger
@@ -464,13 +463,11 @@ class Transport:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send along a route that is gone fails
         # A DEALER whose connection dropped reconnects under its routing id; when this thread was
         # busy meanwhile, libzmq still holds the old connection under that id, and without
-        # handover files the new one where nothing is read: all it carries is lost, and once its
-        # queue fills libzmq 4.3.5 can abort (zeromq/libzmq#4841). Ids are random per DEALER
+        # handover files the new one where nothing is read: all it carries is lost until its
+        # queue fills and its input stops (see ``close_when_silent``). Ids are random per DEALER
         # (``Connections``), so the one that takes an id over is the socket that held it.
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # an inbound connection that goes silent (a crashed host, a partition) is closed
-        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        close_when_silent(router)  # (an inbound connection from a crashed host, a partition)
         router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (strangers' idle connections end)
         try:
             router.bind(bind_form(listen))
