@@ -72,6 +72,11 @@ class PeerNetwork(Protocol):
         """Queue a message without blocking; tensors must stay unmodified afterwards."""
         ...
 
+    def wire_bytes(self, nbytes: int) -> int:
+        """The bytes on the wire of ``nbytes`` of tensors sent: the same in a real mesh; in a
+        simulator, whose small vectors stand for a larger model, that model's share."""
+        ...
+
     def backlog(self, to: str) -> int:
         """Messages with tensors this node sent to ``to`` that have not left it yet (queued here,
         or in the transport, behind a link that carries less than is sent): an algorithm whose
@@ -136,6 +141,9 @@ class PeerWrapper:
 
     def recv(self, timeout: float, kinds: Collection[str] | None = None) -> Envelope | None:
         return self._peer.recv(timeout, kinds)
+
+    def wire_bytes(self, nbytes: int) -> int:
+        return self._peer.wire_bytes(nbytes)
 
     def backlog(self, to: str) -> int:
         return self._peer.backlog(to)

@@ -15,6 +15,7 @@ import pytest
 from helpers import average_in_threads, started_peers
 
 from gossip import ADPSGD, Algorithm, Codec, consensus_distance
+from gossip.algorithms.adpsgd import ASK_ABOVE_BYTES
 from gossipmesh.cli import parse_config
 from gossipmesh.cli import simulate as simulate_command
 from gossipmesh.config import SimulateConfig
@@ -204,6 +205,24 @@ def test_a_partition_holds_until_it_heals_and_a_lossy_mesh_still_agrees() -> Non
     result = run(healed, "dpsgd", "exponential")
     assert result.rounds[-1].consensus_distance < 1e-9
     assert result.messages_lost > 0
+
+
+def test_a_simulated_model_larger_than_its_vector_asks_for_turns_as_that_model_would() -> None:
+    """A simulation's vectors stand for a model of ``model_bytes``: AD-PSGD asks for a turn
+    before sending it where that model would (it decided from the vector's own bytes)."""
+    nodes = {}
+    for scale in (1.0, ASK_ABOVE_BYTES):
+        clock = VirtualClock()
+        network = VirtualNetwork(clock, byte_scale=scale)
+
+        def main(network: VirtualNetwork = network, scale: float = scale) -> None:
+            nodes[scale] = ADPSGD(network.join("node-0"), np.ones(8), topology=Topology.parse("ring"))
+
+        clock.spawn("node-0", "node-0", main)
+        clock.run()
+    for node in nodes.values():
+        node.close()
+    assert {scale: node._asks_first for scale, node in nodes.items()} == {1.0: False, ASK_ABOVE_BYTES: True}
 
 
 def test_background_work_runs_on_the_clock_and_stops_with_its_node() -> None:

@@ -79,7 +79,7 @@ class ADPSGD(Averager):
         self._asks: dict[str, int] = {}
         self._turn: tuple[str, int, float] | None = None
         self._answered: tuple[str, float] | None = None
-        self._asks_first = self.layout.nbytes > ASK_ABOVE_BYTES
+        self._asks_first = peer.wire_bytes(self.layout.nbytes) > ASK_ABOVE_BYTES
         self._exchanger = peer.start_background(f"adpsgd-{peer.node_id}", self._run)
 
     def after_step(self) -> None:

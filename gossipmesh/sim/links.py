@@ -159,6 +159,9 @@ class VirtualPeer:
     def missed(self, node_id: str) -> None:
         """Membership is exact (crashes are detected after ``detect_s``): nothing to probe."""
 
+    def wire_bytes(self, nbytes: int) -> int:
+        return math.ceil(nbytes * self.network.byte_scale)
+
     def backlog(self, to: str) -> int:
         leaving = self.leaving.get(to)
         while leaving and leaving[0] <= self.clock.now:
@@ -176,7 +179,7 @@ class VirtualPeer:
         if self.clock.enter() is None or not self.alive:
             return
         message = Message(kind, self._node_id, round, tuple(read_only(t) for t in tensors), meta or {})
-        nbytes = math.ceil(sum(t.nbytes for t in tensors) * self.network.byte_scale)
+        nbytes = self.wire_bytes(sum(t.nbytes for t in tensors))
         self.bytes_sent += nbytes
         self.network.transmit(self, to, message, nbytes)
 

@@ -137,6 +137,9 @@ class MemoryPeer:
         else:
             self.messages_dropped += 1
 
+    def wire_bytes(self, nbytes: int) -> int:
+        return nbytes
+
     def backlog(self, to: str) -> int:
         return 0  # delivered as it is sent
 

@@ -40,6 +40,9 @@ class Endpoint:
         self.transport.check_running()
         return self.transport.recv(timeout, kinds)
 
+    def wire_bytes(self, nbytes: int) -> int:
+        return nbytes
+
     def start_background(self, name: str, target: Callable[[], None]) -> threading.Thread:
         return start_thread(name, target)
 
