@@ -147,8 +147,8 @@ os._exit(0)
 
 def test_a_connection_reset_while_its_input_is_stopped_does_not_abort_the_process() -> None:
     """With ZeroMQ's heartbeats on, libzmq 4.3.5 aborts a process whose connection is reset by
-    its peer while its input is stopped (a full receive queue): a node at the end of a run
-    behind a slow link did. A transport's sockets find silent peers by TCP keepalive instead."""
+    its peer while its input is stopped (a full receive queue), as neighbours leaving a node
+    behind a slow link can. A transport's sockets find silent peers by TCP keepalive instead."""
 
     def exit_status(liveness: str) -> int:
         argv = [sys.executable, "-c", _INPUT_STOPPED_THEN_RESET, liveness, _PEER_THAT_RESETS]

@@ -73,8 +73,8 @@ def test_a_member_that_does_not_listen_joins_is_reached_and_is_detected_dead(tmp
 
 def test_a_listener_with_a_route_back_reads_what_its_router_holds_as_the_routers(tmp_path: Path) -> None:
     """A route back to a member that does not listen goes over the listener's ROUTER; what the
-    ROUTER holds is read as the ROUTER's input, never as that route's (it was: messages of
-    other members read without their routing frame, rejected in the routed member's name)."""
+    ROUTER holds is read as the ROUTER's input, never as that route's (read so, other members'
+    messages lose their routing frame and are rejected in the routed member's name)."""
     with listeners_and_one_behind_nat(tmp_path) as (a, b, c):
         a.send("c", "params", 0, [np.ones(4, np.float32)])  # a's route back to c is open
         got = c.recv(HANG_S, {"params"})

@@ -72,8 +72,8 @@ MAX_WAITING_UNVERIFIED = 4  # ...and on a connection to an address not known as 
 # once anyway (its host resets it); membership's probes find dead members in seconds. Not
 # ZeroMQ's heartbeats: their timer writes on a connection whose input stopped (a full receive
 # queue) after its peer reset it, and libzmq 4.3.5 aborts the process (`!_io_error`, as in
-# zeromq/libzmq#3937 and #4767): reproduced at the end of runs on slow links, when neighbours
-# left; and they close a healthy connection whose input is held back, its pings unread.
+# zeromq/libzmq#3937 and #4767); and they close a healthy connection whose input is held back,
+# its pings unread.
 SILENT_TIMEOUT_S = 30
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 5
