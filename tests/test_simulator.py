@@ -293,9 +293,23 @@ def test_simulate_crashed_nodes_stop_counting_and_joiners_take_part(
     assert "before --join at 100 s; raise --rounds" in capsys.readouterr().err
 
 
+def test_simulate_link_sets_one_nodes_uplink_apart_from_the_bandwidth() -> None:
+    """--link 0:8: node 0's uplink carries 1 MB/s, every other one --bandwidth's 10 Gbit/s; a
+    mesh that waits for every neighbour goes at the pace node 0's uplink sends its models."""
+    flags = ("--algorithm", "dpsgd:stragglers=wait", "--round-timeout", "100")
+    even = simulated_rounds(*flags)[-1]
+    slow = simulated_rounds(*flags, "--link", "0:8")[-1]
+    assert slow["bytes_per_node"] == even["bytes_per_node"]
+    assert even["virtual_time_s"] < 40 * 0.2
+    assert slow["virtual_time_s"] == pytest.approx(slow["bytes_per_node"] / 1e6, rel=0.05)
+
+
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
+        (["--link", "16:10"], "--link: '16:10': rank 16 is not in 0..15"),
+        (["--link", "17:10", "--join", "1@1"], "--link: '17:10': rank 17 is not in 0..16"),
+        (["--algorithm", "allreduce", "--link", "10"], "models one --bandwidth for every link"),
         (["--crash", "0.1"], "--crash: '0.1': expected FRACTION@SECONDS with seconds >= 0, e.g. 0.1@2"),
         (["--crash", "0.01@1"], "FRACTION must be in [0.0625, 1]"),
         (["--crash", "0.5@1", "--crash", "0.5@2"], "together they crash all 16 nodes"),

@@ -4,7 +4,8 @@ Pure averaging (``--model-size``, the default) starts every node from a random v
 charges each message as if it carried a model of that size; ``--task`` trains the task's real
 model on every node (small N). ``--algorithm allreduce`` is the ring-allreduce time model.
 Faults (``--crash``, ``--join``, ``--partition``) happen at given virtual times, in seconds
-from the start; each flag can be given several times.
+from the start; each flag can be given several times. ``--link`` sets nodes' uplinks apart from
+``--bandwidth``, as ``gossipmesh mesh --hosts netns --link`` caps them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from gossipmesh.config import SimulateConfig
+from gossipmesh.config.values import uplink_mbps
 from gossipmesh.sim.allreduce import RingAllreduce, ring_allreduce
 from gossipmesh.sim.links import Link, VirtualPeer
 from gossipmesh.sim.run import RoundPoint, SimResult, simulate, start_vectors
-from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, split_in_halves
+from gossipmesh.sim.scenario import Compute, Scenario, Stragglers, crash_waves, node_id, split_in_halves
 
 if TYPE_CHECKING:
     import torch
@@ -50,19 +52,35 @@ def run(config: SimulateConfig, out: TextIO | None = None) -> int:
 
 
 def _scenario(config: SimulateConfig) -> Scenario:
+    joins = [join.at for join in config.join for _ in range(join.count)]
     return Scenario(
         nodes=config.nodes,
         rounds=config.rounds,
         compute=Compute(config.compute_ms / 1000, config.jitter, config.straggler or Stragglers()),
-        link=Link(config.latency / 1000, config.bandwidth * 1e9 / 8),
+        link=_uplink(config, None),
+        links={
+            (node_id(cap.rank), node_id(other)): _uplink(config, cap.rank)
+            for cap in config.link
+            if cap.rank is not None
+            for other in range(config.nodes + len(joins))
+            if other != cap.rank
+        },
         loss=config.loss,
         model_bytes=None if config.task else (config.model_size or DEFAULT_MODEL_BYTES),
         crashes=crash_waves(config.crash, config.nodes, config.seed),
-        joins=[join.at for join in config.join for _ in range(join.count)],
+        joins=joins,
         partitions=[split_in_halves(cut.start_s, cut.end_s, config.nodes) for cut in config.partition],
         round_timeout=config.round_timeout,
         seed=config.seed,
     )
+
+
+def _uplink(config: SimulateConfig, rank: int | None) -> Link:
+    """The link out of node ``rank`` (None: out of the nodes no ``--link RANK:MBPS`` names):
+    its ``--link``, else ``--bandwidth``."""
+    mbps = uplink_mbps(config.link, rank)
+    bytes_per_s = config.bandwidth * 1e9 / 8 if mbps is None else mbps * 1e6 / 8
+    return Link(config.latency / 1000, bytes_per_s)
 
 
 def _warn_after_the_end(scenario: Scenario, end_s: float) -> None:

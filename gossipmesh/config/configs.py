@@ -11,7 +11,7 @@ which graph, codec and robust rule live with the algorithms (``gossip.Algorithm.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from gossip import Algorithm, Codec, IncompatibleOptionsError, PeerNetwork, RobustRule
 from gossip.algorithms.registry import AUTO, choose_algorithm, choose_local_steps
 from gossipmesh.config import options as o
-from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule
+from gossipmesh.config.values import ChaosAction, Corruption, ForRank, Link, schedule, uplink_mbps
 from gossipmesh.sim.allreduce import RingAllreduce
 from gossipmesh.sim.links import Partition
 from gossipmesh.sim.scenario import Stragglers
@@ -81,6 +81,13 @@ class ConfigError(ValueError):
 def check(ok: bool, flag: str, problem: str) -> None:
     if not ok:
         raise ConfigError(f"{flag}: {problem}")
+
+
+def check_link_ranks(caps: Sequence[Link], total: int) -> None:
+    """--link RANK:MBPS names one of the ``total`` nodes (joiners included)."""
+    for cap in caps:
+        problem = f"'{cap}': rank {cap.rank} is not in 0..{total - 1}"
+        check(cap.rank is None or cap.rank < total, "--link", problem)
 
 
 @dataclass(frozen=True)
@@ -356,12 +363,7 @@ class MeshConfig(TrainConfig):
             "--link",
             "limits namespace hosts' links: add --hosts netns",
         )
-        for cap in self.link:
-            check(
-                cap.rank is None or cap.rank < total,
-                "--link",
-                f"'{cap}': rank {cap.rank} is not in 0..{total - 1}",
-            )
+        check_link_ranks(self.link, total)
 
         for rank in self.no_listen:
             check(
@@ -379,8 +381,7 @@ class MeshConfig(TrainConfig):
 
     def uplink_mbps(self, rank: int) -> float | None:
         """Node ``rank``'s uplink cap (--link): its own, else the one of every node, else none."""
-        caps = {cap.rank: cap.mbps for cap in self.link}
-        return caps.get(rank, caps.get(None))
+        return uplink_mbps(self.link, rank)
 
     def chaos(self) -> list[ChaosAction]:
         """The --kill / --leave / --pause / --join schedule, in time order."""
@@ -405,6 +406,7 @@ class SimulateConfig(AveragedSGD):
     straggler: Stragglers | None = o.STRAGGLER.field()
     latency: float = o.LATENCY.field()
     bandwidth: float = o.BANDWIDTH.field()
+    link: tuple[Link, ...] = o.SIMULATED_LINK.field()
     rounds: int = o.ROUNDS.field()
     # a simulated step costs only virtual time: 100 ms stands for an accelerator's step, where a
     # real node's --compute-ms pads a step that already takes its own time
@@ -431,6 +433,9 @@ class SimulateConfig(AveragedSGD):
                 "--crash/--join/--partition",
                 "--algorithm allreduce is a time model without faults; simulate a gossip algorithm",
             )
+            check(not self.link, "--link", "--algorithm allreduce models one --bandwidth for every link")
+        total = self.nodes + sum(action.count for action in self.join)
+        check_link_ranks(self.link, total)
         crashed = [round(fraction * self.nodes) for fraction, _ in self.crash]
         check(
             all(count >= 1 for count in crashed),

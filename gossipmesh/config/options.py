@@ -411,6 +411,12 @@ SIMULATED_TASK = Option(TaskRef.parse, "train this task's real model on every no
 STRAGGLER = Option(values.stragglers, "e.g. 0.05:4: 5%% of the nodes 4x slower", metavar="FRACTION:FACTOR")
 LATENCY = Option(number(float, at_least=0), "link latency", 1.0, metavar="MS")
 BANDWIDTH = Option(_POSITIVE, "link bandwidth", 10.0, metavar="GBPS")
+SIMULATED_LINK = _repeatable(
+    values.link,
+    "MBPS sets every node's uplink in place of --bandwidth, RANK:MBPS node RANK's (repeatable): "
+    "the links gossipmesh mesh --hosts netns --link emulates",
+    "[RANK:]MBPS",
+)
 ROUNDS = Option(_AT_LEAST_ONE, "local steps per node", 30, metavar="R")
 JITTER = Option(number(float, at_least=0), "lognormal shape of step times", 0.0)
 LOSS = Option(number(float, at_least=0, below=1), "probability a message is lost", 0.0)

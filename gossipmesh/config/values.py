@@ -10,7 +10,7 @@ Numbers and named choices use ``topologies.spec`` (``number``, ``choice``, ``Spe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
@@ -202,6 +202,13 @@ class Link:
 
     def __str__(self) -> str:
         return f"{self.mbps:g}" if self.rank is None else f"{self.rank}:{self.mbps:g}"
+
+
+def uplink_mbps(caps: Sequence[Link], rank: int | None) -> float | None:
+    """Node ``rank``'s uplink cap among ``caps``: its own, else the one of every node, else none
+    (``rank`` None: the one of every node)."""
+    by_rank = {cap.rank: cap.mbps for cap in caps}
+    return by_rank.get(rank, by_rank.get(None))
 
 
 def link(text: str) -> Link:
