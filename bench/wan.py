@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.9, help="held-out accuracy every node must reach")
     parser.add_argument("--png", type=Path, default=Path("wan.png"))
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument(
+        "--keep-runs", type=Path, help="leave each arm's run (report, node logs) in DIR/LINKS/ARM"
+    )
     args = parser.parse_args()
     if why := netns.unavailable():
         parser.error(f"namespace hosts: {why}")
@@ -98,11 +102,12 @@ def main() -> None:
     for setting, axis in zip(settings, axes[0], strict=True):
         base = None
         for arm in arms:
+            keep = args.keep_runs / setting / re.sub(r"[^\w.=+-]", "_", arm) if args.keep_runs else None
             report = quiet_mesh([
                 "--hosts", "netns", *link_flags(setting), "--nodes", str(args.nodes), "--task", args.task,
                 "--compute-ms", f"{args.compute_ms:g}", "--duration", f"{args.duration:g}", "--insecure",
                 "--plot", "none", *ARMS[arm],
-            ])  # fmt: skip
+            ], keep)  # fmt: skip
             nodes = report["nodes"]
             seconds = reached(nodes, args.target)
             base = seconds if arm == "dpsgd" else base
