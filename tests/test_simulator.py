@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -116,6 +117,61 @@ def test_tolerant_dpsgd_sends_a_slow_uplink_at_most_one_value_behind_the_one_lea
     consensus distance after 200 rounds was 2.8e-8; held back, 7.6e-11."""
     distance, _ = _behind_a_slow_uplink("dpsgd:stragglers=tolerate", "ring")
     assert distance < 1e-9
+
+
+def test_a_node_behind_a_slow_uplink_goes_on_alone_once_its_neighbours_have_left() -> None:
+    """40 rounds of 50 ms; node-0's uplink carries a fifth of what it sends, so it ends long
+    after the others, which leave after their last round as daemons do. Its uplink then drops
+    what waited for them and its rounds, with no neighbour left, take a step each. When nodes
+    never left and the uplink carried everything to nodes long gone, node-0 ended 73 s after
+    the others (at 80.4 s), waiting on that uplink each round."""
+    slow = {("node-0", f"node-{j}"): Link(0.001, 1e6) for j in range(1, 8)}
+    scenario = Scenario(
+        nodes=8, rounds=40, compute=Compute(0.05), link=Link(0.001, 1e9), links=slow, model_bytes=250_000
+    )
+    ends = run(scenario, "dpsgd", "exponential").step_ends
+    others_done = max(ends[f"node-{j}"][-1] for j in range(1, 8))
+    alone = [t for t in ends["node-0"] if t > others_done]
+    assert len(alone) > 20  # (most of its rounds come after theirs)
+    # the first: at most the value on its uplink as they left (0.25 s) and a step
+    assert alone[0] - others_done <= 0.25 + 0.05 + 1e-9
+    assert np.diff(alone) == pytest.approx(0.05)
+
+
+def test_a_simulated_uplink_drops_what_waits_for_a_node_that_left() -> None:
+    """Three 1 s messages queued on one uplink, to node-1, node-2, node-1: node-2 leaves while
+    the first is on the link, so the third leaves 1 s sooner; nothing is sent to it after."""
+    clock = VirtualClock()
+    network = VirtualNetwork(clock, link=Link(0.0, 1000.0))
+    arrived: dict[str, list[tuple[float, int]]] = {"node-1": [], "node-2": []}
+    payload = np.zeros(125)  # 1,000 bytes: 1 s on the link
+
+    def sender() -> None:
+        peer = network.join("node-0")
+        for round, to in enumerate(("node-1", "node-2", "node-1")):
+            peer.send(to, "params", round, [payload])
+        peer.compute(0.5)
+        assert peer.backlog("node-2") == 0 and peer.backlog("node-1") == 2
+        peer.send("node-2", "params", 3, [payload])
+        assert peer.backlog("node-2") == 0
+        peer.compute(3.0)
+
+    def receiver(name: str) -> Callable[[], None]:
+        peer = network.join(name)
+
+        def main() -> None:
+            while clock.now < 4.0:  # (a membership change ends a wait with None)
+                if (message := peer.recv(4.0 - clock.now)) is not None:
+                    arrived[name].append((clock.now, message.round))
+
+        return main
+
+    for name in ("node-1", "node-2"):
+        clock.spawn(name, name, receiver(name))
+    clock.spawn("node-0", "node-0", sender)
+    clock.at(0.5, lambda: network.leave("node-2", after_round=-1))
+    clock.run()
+    assert arrived == {"node-1": [(1.0, 0), (2.0, 2)], "node-2": []}
 
 
 def test_one_peer_exponential_reaches_the_exact_average_in_log2_n_rounds_at_1024_nodes() -> None:

@@ -4,7 +4,9 @@ A message leaves its sender's uplink in order (one at a time, each taking bytes 
 link it goes over) and arrives ``latency`` later: a lone message takes latency + bytes / bandwidth,
 and a node sending to many neighbours pays for each copy. Downlinks are not modelled. Membership is
 exact, as on the in-memory network (``gossipmesh.sim.memory.Roster``), except that a crashed node stays a
-member until the others would have detected it (``detect_s``).
+member until the others would have detected it (``detect_s``). As in a daemon, nothing is sent to a
+node that is no longer a member, and what waits on an uplink for one that leaves (or is found
+dead) is dropped rather than carried: the messages behind it leave that much sooner.
 
 Only one simulated thread runs at a time (``gossipmesh.sim.clock``), so sends, loss draws and deliveries
 happen in one deterministic order. A node's background work (AD-PSGD's exchanger) is a
@@ -37,6 +39,20 @@ class Link:
 
     def transfer_s(self, nbytes: float) -> float:
         return nbytes / self.bandwidth_bps
+
+
+@dataclass(eq=False)
+class Transmission:
+    """A message on its sender's uplink, from ``start`` to ``end`` (virtual s); ``version``
+    changes when it is moved earlier, so that only its latest arrival event delivers it. A
+    message lost or dropped is let go of (None): its tensors may be the sender's to reuse."""
+
+    to: str
+    message: Message | None
+    link: Link
+    start: float
+    end: float
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,7 @@ class VirtualNetwork:
         self.roster = Roster()
         self.peers: dict[str, VirtualPeer] = {}
         self._rng = np.random.default_rng([seed, LOSS_STREAM])
+        self._notify_due = False  # a notify_all is scheduled for this instant
 
     def join(self, node_id: str, first_round: int = 0) -> VirtualPeer:
         peer = VirtualPeer(self, node_id)
@@ -96,12 +113,25 @@ class VirtualNetwork:
         return peer
 
     def leave(self, node_id: str, after_round: int) -> None:
+        """``node_id`` takes part in no round after ``after_round``; what waits on the uplinks
+        for it is dropped. The nodes waiting are told once the instant's ready threads have
+        run: the leaves of nodes that finish together (every node of a lockstep mesh, at its
+        last round) wake each waiter once, not once per leaver."""
         self.roster.leave(node_id, after_round)
+        self.peers[node_id].stop()
+        for peer in self.peers.values():
+            peer.drop_queued(node_id)
+        if not self._notify_due:
+            self._notify_due = True
+            self.clock.at(self.clock.now, self._notify_due_now)
+
+    def _notify_due_now(self) -> None:
+        self._notify_due = False
         self.notify_all()
 
     def crash(self, node_id: str, after_round: int, detect_s: float) -> None:
         """``node_id`` stops now; the others drop it from the membership ``detect_s`` later."""
-        self.peers[node_id].alive = False
+        self.peers[node_id].stop()
         self.clock.stop_node(node_id)
         self.clock.at(self.clock.now + detect_s, lambda: self.leave(node_id, after_round))
 
@@ -114,14 +144,25 @@ class VirtualNetwork:
         """Put a message on ``sender``'s uplink; it arrives (or is lost) in virtual time."""
         link = self.links.get((sender.node_id, to), self.link)
         now = self.clock.now
-        sender.uplink_free = max(sender.uplink_free, now) + link.transfer_s(nbytes)
-        sender.leaving.setdefault(to, deque()).append(sender.uplink_free)
-        receiver = self.peers.get(to)
+        sender.prune_uplink()
+        start = max(sender.uplink[-1].end if sender.uplink else now, now)
+        transmission = Transmission(to, message, link, start, start + link.transfer_s(nbytes))
+        sender.uplink.append(transmission)
         lost = self.loss > 0 and self._rng.random() < self.loss
-        if receiver is None or lost or any(p.cuts(sender.node_id, to, now) for p in self.partitions):
+        if to not in self.peers or lost or any(p.cuts(sender.node_id, to, now) for p in self.partitions):
             sender.messages_lost += 1
+            transmission.message = None  # (it still takes its time on the uplink)
             return
-        self.clock.at(sender.uplink_free + link.latency_s, lambda: receiver.deliver(message))
+        self.schedule_arrival(transmission)
+
+    def schedule_arrival(self, transmission: Transmission) -> None:
+        version = transmission.version
+
+        def arrive() -> None:
+            if transmission.version == version and transmission.message is not None:
+                self.peers[transmission.to].deliver(transmission.message)
+
+        self.clock.at(transmission.end + transmission.link.latency_s, arrive)
 
 
 class VirtualPeer:
@@ -134,8 +175,7 @@ class VirtualPeer:
         self.alive = True
         self.bytes_sent = 0
         self.messages_lost = 0
-        self.uplink_free = 0.0  # when the uplink has sent everything queued on it
-        self.leaving: dict[str, deque[float]] = {}  # per receiver: when its messages leave the uplink
+        self.uplink: deque[Transmission] = deque()  # what has not left the uplink yet, in order
         self._inbox: deque[Message] = deque()
         self._waiters: dict[SimThread, tuple[int, Collection[str] | None]] = {}
 
@@ -163,10 +203,39 @@ class VirtualPeer:
         return math.ceil(nbytes * self.network.byte_scale)
 
     def backlog(self, to: str) -> int:
-        leaving = self.leaving.get(to)
-        while leaving and leaving[0] <= self.clock.now:
-            leaving.popleft()
-        return len(leaving) if leaving else 0
+        self.prune_uplink()
+        return sum(t.to == to and t.message is not None for t in self.uplink)
+
+    def stop(self) -> None:
+        """The node is gone (crashed, or left after its last round): it sends and takes nothing
+        more, and lets go of what its inbox held (its senders' tensors among them)."""
+        self.alive = False
+        self._inbox.clear()
+
+    def drop_queued(self, to: str) -> None:
+        """Drop the messages to ``to`` that have not begun to leave the uplink (it left the
+        mesh); those behind them leave sooner."""
+        self.prune_uplink()
+        now, moved = self.clock.now, False
+        kept: deque[Transmission] = deque()
+        for transmission in self.uplink:
+            if transmission.start > now and transmission.to == to:
+                transmission.message, moved = None, True
+                continue
+            start = max(kept[-1].end if kept else now, now)
+            if moved and start < transmission.start:
+                transmission.end -= transmission.start - start
+                transmission.start = start
+                transmission.version += 1
+                if transmission.message is not None:
+                    self.network.schedule_arrival(transmission)
+            kept.append(transmission)
+        self.uplink = kept
+
+    def prune_uplink(self) -> None:
+        """Forget the messages that have left the uplink."""
+        while self.uplink and self.uplink[0].end <= self.clock.now:
+            self.uplink.popleft()
 
     def send(
         self,
@@ -176,8 +245,8 @@ class VirtualPeer:
         tensors: Sequence[np.ndarray] = (),
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        if self.clock.enter() is None or not self.alive:
-            return
+        if self.clock.enter() is None or not self.alive or to not in self.network.roster.members():
+            return  # (as a daemon has no contact for a node that left)
         message = Message(kind, self._node_id, round, tuple(read_only(t) for t in tensors), meta or {})
         nbytes = self.wire_bytes(sum(t.nbytes for t in tensors))
         self.bytes_sent += nbytes

@@ -31,6 +31,7 @@ class Roster:
         self._last_rounds: dict[str, int] = {}  # departed id -> last round it took part in
         self._first_rounds: dict[str, int] = {}  # member -> first round it takes part in
         self._latest_first = 0  # no member starts after this round: later rounds need no filtering
+        self._latest_last = -1  # no departed node takes part after this round: nor do they
 
     def join(self, node_id: str, first_round: int = 0) -> None:
         self._current = self._current | {node_id}
@@ -39,17 +40,18 @@ class Roster:
     def leave(self, node_id: str, after_round: int = -1) -> None:
         self._current = self._current - {node_id}
         self._last_rounds[node_id] = after_round
+        self._latest_last = max(self._latest_last, after_round)
 
     def start_at_round(self, node_id: str, first_round: int) -> None:
         self._first_rounds[node_id] = first_round
         self._latest_first = max(self._latest_first, first_round)
 
     def members(self, round: int | None = None) -> frozenset[str]:
-        if round is None:
-            return self._current
+        if round is None or (round > self._latest_last and round >= self._latest_first):
+            return self._current  # the common case: no set is built
         lingering = {node for node, last in list(self._last_rounds.items()) if round <= last}
         if not lingering and round >= self._latest_first:
-            return self._current  # the common case: no set is built
+            return self._current
         return frozenset(m for m in self._current | lingering if self._first_rounds.get(m, 0) <= round)
 
 

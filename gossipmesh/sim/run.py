@@ -2,7 +2,8 @@
 
 A node's main loop is the daemon's in miniature: a local step (``compute`` of virtual time, then
 the workload's step, which runs the algorithm's ``after_step``), recorded after each one. Faults
-(crashes, joins) are clock events. The figures per round are those of the mesh report:
+(crashes, joins) are clock events. A node that has taken its last round leaves, as a daemon
+whose steps ran out does. The figures per round are those of the mesh report:
 the consensus distance of the nodes' models after that round, when the last node finished it
 (virtual seconds), the bytes each node had sent by then on average, and how many nodes did.
 """
@@ -164,6 +165,8 @@ def simulate(
                 history[r].append((node.params.copy(), peer.bytes_sent, clock.now, accuracy))
                 ends.append(clock.now)
                 on_round(r + 1)
+            # as a daemon whose steps ran out: the others stop waiting for it after its last round
+            network.leave(name, node.averager.round - 1)
 
         clock.spawn(name, name, main)
 
