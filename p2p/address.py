@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import re
 import socket
+import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,6 +19,7 @@ _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _WILDCARDS = {"*", "0.0.0.0", "[::]"}
 OUTGOING_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # the kernel's source ports
 FIRST_PICKED_PORT = 10_000  # free_ports picks from here up to the first of those
+PICKED_PORT_HELD_S = 600.0  # free_ports does not give a port out again for this long
 # the address of a node that accepts no connection (``--no-listen``): it is reached over the
 # connections it opened (``p2p.transport.connections``)
 INBOUND = "inbound://"
@@ -103,18 +106,36 @@ def resolve_all(endpoint: str) -> list[str]:
     return sorted({f"tcp://{info[4][0]}:{port}" for info in infos})
 
 
+_picked: dict[int, float] = {}  # port free_ports gave out -> when (time.monotonic())
+_picked_lock = threading.Lock()
+
+
 def free_ports(count: int, block: int = 1) -> list[int]:
     """Ports free on 127.0.0.1 right now, all distinct (held together while picked); with
     ``block``, each the first of that many consecutive free ports (a machine's local ranks).
     They are drawn below the kernel's range for outgoing connections: a port the kernel gave
-    out could be taken by a connection's source port before its node binds it."""
+    out could be taken by a connection's source port before its node binds it. Nor is a port
+    given out again by this process for ``PICKED_PORT_HELD_S``: two picks made before either's
+    ports are bound (a machine's ranks, then its collective's) would otherwise meet."""
     candidates = range(FIRST_PICKED_PORT, max(_outgoing_ports_start(), FIRST_PICKED_PORT + 1000) - block)
+    with _picked_lock:
+        now = time.monotonic()
+        for port in [p for p, at in _picked.items() if now - at > PICKED_PORT_HELD_S]:
+            del _picked[port]
+        bases = _pick(candidates, count, block)
+        _picked.update((base + offset, now) for base in bases for offset in range(block))
+        return bases
+
+
+def _pick(candidates: range, count: int, block: int) -> list[int]:
     with ExitStack() as stack:
         bases: list[int] = []
         for _ in range(50 * count):
             if len(bases) == count:
                 return bases
             base = random.choice(candidates)
+            if any(base + offset in _picked for offset in range(block)):
+                continue
             held: list[socket.socket] = []
             try:
                 for offset in range(block):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gossip import DPSGD
 from gossip.algorithms.averager import RoundStats
 from p2p import Peer, Transport, TransportError
-from p2p.address import AddressError, parse_endpoint
+from p2p.address import AddressError, free_ports, parse_endpoint
 from p2p.transport.send_cap import SendPacer
 from p2p.wire import MAX_CHUNK_BYTES, encode
 from topologies import Topology
@@ -219,6 +220,15 @@ def test_port_in_use_is_a_clear_error() -> None:
         transport = Transport("x", f"tcp://127.0.0.1:{port}", inbox_kinds=())
         with pytest.raises(TransportError, match=rf"tcp://127.0.0.1:{port} is in use; .* port 0"):
             transport.start()
+
+
+def test_a_port_picked_is_not_picked_again_before_it_is_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine's ranks' ports, then its collective's: the second pick drew the first's port,
+    still free since no rank had bound it yet, and a rank then found it in use."""
+    first = free_ports(1)[0]
+    draws = itertools.chain([first, first], range(first + 1, first + 100))  # (one may be in use)
+    monkeypatch.setattr("p2p.address.random.choice", lambda _: next(draws))
+    assert free_ports(1) != [first]
 
 
 def test_unusable_listen_address_is_a_clear_error() -> None:
