@@ -102,7 +102,7 @@ def _arm(arm: str, scenario: Scenario, steps: int) -> tuple[float, float]:
         return last.virtual_time_s * steps / (last.round + 1), last.bytes_per_node / (last.round + 1)
     algorithm = Algorithm.parse(arm)
     vectors = start_vectors(scenario.nodes, scenario.seed)
-    build = averaging(vectors, algorithm, Topology.parse(algorithm.default_topology), 2.0, Codec())
+    build = averaging(vectors, algorithm, algorithm.default_topology, 2.0, Codec())
     result = simulate(scenario, build, vectors[0].nbytes)
     last = result.rounds[-1]
     return steps * scenario.nodes / result.steps_per_s(), last.bytes_per_node / (last.round + 1)

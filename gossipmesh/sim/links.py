@@ -3,10 +3,11 @@
 A message leaves its sender's uplink in order (one at a time, each taking bytes / bandwidth of the
 link it goes over) and arrives ``latency`` later: a lone message takes latency + bytes / bandwidth,
 and a node sending to many neighbours pays for each copy. Downlinks are not modelled. Membership is
-exact, as on the in-memory network (``gossipmesh.sim.memory.Roster``), except that a crashed node stays a
-member until the others would have detected it (``detect_s``). As in a daemon, nothing is sent to a
-node that is no longer a member, and what waits on an uplink for one that leaves (or is found
-dead) is dropped rather than carried: the messages behind it leave that much sooner.
+exact, as on the in-memory network (``gossipmesh.sim.memory.Roster``), except that a crashed node
+stays a member until the others would have detected it (``detect_s``), and a waiting node hears of
+a change ``MEMBERSHIP_NEWS_S`` after it. As in a daemon, nothing is sent to a node that is no
+longer a member, and what waits on an uplink for one that leaves (or is found dead) is dropped
+rather than carried: the messages behind it leave that much sooner.
 
 Only one simulated thread runs at a time (``gossipmesh.sim.clock``), so sends, loss draws and deliveries
 happen in one deterministic order. A node's background work (AD-PSGD's exchanger) is a
@@ -28,6 +29,10 @@ from gossipmesh.sim.memory import Roster, read_only
 from p2p.wire import Message
 
 LOSS_STREAM = 1  # seed stream of the loss draws
+# a membership change wakes the waiting nodes this long after it (news of one takes longer on a
+# real mesh), once for every change in that time: thousands of nodes that start or finish
+# together wake each waiter once, not once per node
+MEMBERSHIP_NEWS_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -103,42 +108,44 @@ class VirtualNetwork:
         self.roster = Roster()
         self.peers: dict[str, VirtualPeer] = {}
         self._rng = np.random.default_rng([seed, LOSS_STREAM])
-        self._notify_due = False  # a notify_all is scheduled for this instant
+        self._notify_due = False  # a notify_all is scheduled for the membership changes made
+        self._sending: dict[VirtualPeer, None] = {}  # peers whose uplinks may hold messages
 
     def join(self, node_id: str, first_round: int = 0) -> VirtualPeer:
         peer = VirtualPeer(self, node_id)
         self.peers[node_id] = peer
         self.roster.join(node_id, first_round)
-        self.notify_all()
+        self.membership_changed()
         return peer
 
     def leave(self, node_id: str, after_round: int) -> None:
         """``node_id`` takes part in no round after ``after_round``; what waits on the uplinks
-        for it is dropped. The nodes waiting are told once the instant's ready threads have
-        run: the leaves of nodes that finish together (every node of a lockstep mesh, at its
-        last round) wake each waiter once, not once per leaver."""
+        for it is dropped."""
         self.roster.leave(node_id, after_round)
         self.peers[node_id].stop()
-        for peer in self.peers.values():
+        for peer in list(self._sending):  # (not every peer: thousands may leave at once)
             peer.drop_queued(node_id)
+            if not peer.uplink:
+                del self._sending[peer]
+        self.membership_changed()
+
+    def membership_changed(self) -> None:
+        """Tell the waiting nodes ``MEMBERSHIP_NEWS_S`` from now (every blocked ``recv``
+        returns None, to re-read the membership)."""
         if not self._notify_due:
             self._notify_due = True
-            self.clock.at(self.clock.now, self._notify_due_now)
+            self.clock.at(self.clock.now + MEMBERSHIP_NEWS_S, self._notify_all)
 
-    def _notify_due_now(self) -> None:
+    def _notify_all(self) -> None:
         self._notify_due = False
-        self.notify_all()
+        for peer in self.peers.values():
+            peer.wake_waiters("notify")
 
     def crash(self, node_id: str, after_round: int, detect_s: float) -> None:
         """``node_id`` stops now; the others drop it from the membership ``detect_s`` later."""
         self.peers[node_id].stop()
         self.clock.stop_node(node_id)
         self.clock.at(self.clock.now + detect_s, lambda: self.leave(node_id, after_round))
-
-    def notify_all(self) -> None:
-        """The membership changed: every blocked ``recv`` returns None (to re-read it)."""
-        for peer in self.peers.values():
-            peer.wake_waiters("notify")
 
     def transmit(self, sender: VirtualPeer, to: str, message: Message, nbytes: int) -> None:
         """Put a message on ``sender``'s uplink; it arrives (or is lost) in virtual time."""
@@ -148,6 +155,7 @@ class VirtualNetwork:
         start = max(sender.uplink[-1].end if sender.uplink else now, now)
         transmission = Transmission(to, message, link, start, start + link.transfer_s(nbytes))
         sender.uplink.append(transmission)
+        self._sending[sender] = None
         lost = self.loss > 0 and self._rng.random() < self.loss
         if to not in self.peers or lost or any(p.cuts(sender.node_id, to, now) for p in self.partitions):
             sender.messages_lost += 1
@@ -194,7 +202,7 @@ class VirtualPeer:
 
     def start_at_round(self, first_round: int) -> None:
         self.network.roster.start_at_round(self._node_id, first_round)
-        self.network.notify_all()
+        self.network.membership_changed()
 
     def missed(self, node_id: str) -> None:
         """Membership is exact (crashes are detected after ``detect_s``): nothing to probe."""

@@ -20,11 +20,19 @@ from p2p.endpoint.threads import start_thread
 from p2p.transport.inbox import Inbox
 from p2p.wire import Message
 
+MAX_ROUNDS_BUILT = 16  # rounds whose members a Roster keeps built
+
 
 class Roster:
     """Exact membership by gossip round: who is a member now, and in each round (a node that
     left after round R stays a member of rounds up to R; a late joiner counts from its first
-    round on), as ``PeerNetwork.members`` defines it."""
+    round on), as ``PeerNetwork.members`` defines it.
+
+    A round's members are built once per change: while nodes leave at their last round, the
+    others ask for that round's members many times between two leaves (thousands of nodes
+    finishing together). Readers may run beside a change (the in-memory network's threads): a
+    change bumps the version after it is made, and a set built meanwhile keeps the version it
+    began from, so it is not used after."""
 
     def __init__(self) -> None:
         self._current: frozenset[str] = frozenset()
@@ -32,6 +40,8 @@ class Roster:
         self._first_rounds: dict[str, int] = {}  # member -> first round it takes part in
         self._latest_first = 0  # no member starts after this round: later rounds need no filtering
         self._latest_last = -1  # no departed node takes part after this round: nor do they
+        self._version = 0  # bumped by every change
+        self._built: dict[int, tuple[int, frozenset[str]]] = {}  # round -> (version, its members)
 
     def join(self, node_id: str, first_round: int = 0) -> None:
         self._current = self._current | {node_id}
@@ -41,18 +51,28 @@ class Roster:
         self._current = self._current - {node_id}
         self._last_rounds[node_id] = after_round
         self._latest_last = max(self._latest_last, after_round)
+        self._version += 1
 
     def start_at_round(self, node_id: str, first_round: int) -> None:
         self._first_rounds[node_id] = first_round
         self._latest_first = max(self._latest_first, first_round)
+        self._version += 1
 
     def members(self, round: int | None = None) -> frozenset[str]:
         if round is None or (round > self._latest_last and round >= self._latest_first):
             return self._current  # the common case: no set is built
+        version = self._version
+        built = self._built.get(round)
+        if built is not None and built[0] == version:
+            return built[1]
         lingering = {node for node, last in list(self._last_rounds.items()) if round <= last}
-        if not lingering and round >= self._latest_first:
-            return self._current
-        return frozenset(m for m in self._current | lingering if self._first_rounds.get(m, 0) <= round)
+        members = self._current | lingering
+        if round < self._latest_first:
+            members = frozenset(m for m in members if self._first_rounds.get(m, 0) <= round)
+        if len(self._built) >= MAX_ROUNDS_BUILT:
+            self._built.clear()
+        self._built[round] = (version, members)
+        return members
 
 
 class MemoryNetwork:
