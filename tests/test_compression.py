@@ -684,7 +684,10 @@ def test_choco_starts_its_sum_again_when_a_neighbour_leaves(dies_mid_round: bool
     )
     assert [c.sum_restarts for c in choco[:3]] == [1, 0, 1]
     assert choco[0]._weights.keys() == {"node-1", "node-2"}
-    assert all(r.value is choco[0]._sum for r in choco[0]._replicas.values())
+    replicas, summed = choco[0]._replicas, choco[0]._sum
+    assert all(r.value is summed for r in replicas.values()), {  # (what each waits for, if one fails)
+        j: (r.value is summed, r.next_round, sorted(r.pending)) for j, r in replicas.items()
+    }
     expected = sum(w * choco[int(j[-1])].public for j, w in choco[0]._weights.items())
     np.testing.assert_allclose(choco[0]._sum, expected, rtol=1e-5, atol=1e-5)
     assert consensus_distance(vectors[:3]) < 1e-4 and np.isfinite(vectors[0]).all()

@@ -43,20 +43,27 @@ class Roster:
         self._version = 0  # bumped by every change
         self._built: dict[int, tuple[int, frozenset[str]]] = {}  # round -> (version, its members)
 
+    # Each change sets the rounds first and the current members after them, so that a reader
+    # who sees the new members also sees the rounds that qualify them, and bumps the version last.
+
     def join(self, node_id: str, first_round: int = 0) -> None:
+        self._set_first_round(node_id, first_round)
         self._current = self._current | {node_id}
-        self.start_at_round(node_id, first_round)
+        self._version += 1
 
     def leave(self, node_id: str, after_round: int = -1) -> None:
-        self._current = self._current - {node_id}
         self._last_rounds[node_id] = after_round
         self._latest_last = max(self._latest_last, after_round)
+        self._current = self._current - {node_id}
         self._version += 1
 
     def start_at_round(self, node_id: str, first_round: int) -> None:
+        self._set_first_round(node_id, first_round)
+        self._version += 1
+
+    def _set_first_round(self, node_id: str, first_round: int) -> None:
         self._first_rounds[node_id] = first_round
         self._latest_first = max(self._latest_first, first_round)
-        self._version += 1
 
     def members(self, round: int | None = None) -> frozenset[str]:
         if round is None or (round > self._latest_last and round >= self._latest_first):
