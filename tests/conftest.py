@@ -16,8 +16,8 @@ from zmq.utils.garbage import GarbageCollectorThread
 
 def pytest_configure(config: pytest.Config) -> None:
     """Each pytest-xdist worker computes on its share of the cores, and so do the processes it
-    starts: torch's default of a thread per core in every worker made them wait on each other
-    (on 2 cores and 2 workers, a training test took 75 s beside another instead of 6)."""
+    starts: with torch's default of a thread per core in every worker, two training tests side
+    by side wait on each other's spinning threads."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)

@@ -108,7 +108,7 @@ class VirtualNetwork:
         self.roster = Roster()
         self.peers: dict[str, VirtualPeer] = {}
         self._rng = np.random.default_rng([seed, LOSS_STREAM])
-        self._notify_due = False  # a notify_all is scheduled for the membership changes made
+        self._notify_due = False  # the waiting nodes are to be told of the changes made
         self._sending: dict[VirtualPeer, None] = {}  # peers whose uplinks may hold messages
 
     def join(self, node_id: str, first_round: int = 0) -> VirtualPeer:
