@@ -60,6 +60,11 @@ class Transmission:
     version: int = 0
 
 
+def _free_from(uplink: deque[Transmission], now: float) -> float:
+    """When a message queued now on ``uplink`` begins to leave it."""
+    return max(uplink[-1].end if uplink else now, now)
+
+
 @dataclass(frozen=True)
 class Partition:
     """From ``start_s`` to ``end_s`` no message crosses between ``side`` and the other nodes."""
@@ -152,7 +157,7 @@ class VirtualNetwork:
         link = self.links.get((sender.node_id, to), self.link)
         now = self.clock.now
         sender.prune_uplink()
-        start = max(sender.uplink[-1].end if sender.uplink else now, now)
+        start = _free_from(sender.uplink, now)
         transmission = Transmission(to, message, link, start, start + link.transfer_s(nbytes))
         sender.uplink.append(transmission)
         self._sending[sender] = None
@@ -230,7 +235,7 @@ class VirtualPeer:
             if transmission.start > now and transmission.to == to:
                 transmission.message, moved = None, True
                 continue
-            start = max(kept[-1].end if kept else now, now)
+            start = _free_from(kept, now)
             if moved and start < transmission.start:
                 transmission.end -= transmission.start - start
                 transmission.start = start
